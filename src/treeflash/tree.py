@@ -1,0 +1,113 @@
+"""DraftTree: the one tree type that drafters produce and the target verifies.
+
+Node 0 is the root: the last committed token, which the target has not seen yet (the previous round's bonus
+token). Nodes are in topological order (every parent index is smaller than its child's), so a tree can be
+flattened and fed to the target as one sequence with an ancestor attention mask and positions start + depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+
+class TreeError(ValueError):
+    """A draft tree that breaks an invariant (single root, parents before children, distinct siblings)."""
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]  # parents[0] == -1
+    depths: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        tokens, parents = tuple(int(t) for t in self.tokens), tuple(int(p) for p in self.parents)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+        if not tokens:
+            raise TreeError("a draft tree needs at least its root")
+        if len(parents) != len(tokens):
+            raise TreeError(f"{len(tokens)} tokens but {len(parents)} parents")
+        if parents[0] != -1:
+            raise TreeError("node 0 must be the root (parent -1)")
+        depths = [0]
+        seen: set[tuple[int, int]] = set()
+        for i in range(1, len(tokens)):
+            p = parents[i]
+            if not 0 <= p < i:
+                raise TreeError(f"node {i} has parent {p}: parents must come before their children (single root)")
+            if (p, tokens[i]) in seen:
+                raise TreeError(f"node {p} has two children carrying token {tokens[i]}")
+            seen.add((p, tokens[i]))
+            depths.append(depths[p] + 1)
+        object.__setattr__(self, "depths", tuple(depths))
+
+    # ---- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> "DraftTree":
+        return cls(tuple(tokens), tuple(parents))
+
+    @classmethod
+    def chain(cls, root: int, drafts: Sequence[int] = ()) -> "DraftTree":
+        tokens = (root, *drafts)
+        return cls(tokens, tuple(range(-1, len(tokens) - 1)))
+
+    @classmethod
+    def from_paths(cls, root: int, paths: Iterable[Sequence[int]], budget: int | None = None) -> "DraftTree":
+        """Merge token paths (each starting below the root) into a trie; stop adding nodes at `budget`."""
+        tokens, parents = [root], [-1]
+        child: dict[tuple[int, int], int] = {}
+        for path in paths:
+            node = 0
+            for token in path:
+                key = (node, int(token))
+                if key not in child:
+                    if budget is not None and len(tokens) - 1 >= budget:
+                        break
+                    child[key] = len(tokens)
+                    tokens.append(int(token))
+                    parents.append(node)
+                node = child[key]
+        return cls(tuple(tokens), tuple(parents))
+
+    # ---- views --------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def size(self) -> int:
+        """Number of draft nodes (the budget B counts these; the root is not counted)."""
+        return len(self.tokens) - 1
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def children(self) -> list[dict[int, int]]:
+        """For each node, a map token -> child index."""
+        out: list[dict[int, int]] = [{} for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            out[self.parents[i]][self.tokens[i]] = i
+        return out
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root down to `node`, inclusive."""
+        path = []
+        while node != -1:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """Bool [n, n]: entry (i, j) is True when j is i or one of its ancestors."""
+        n = len(self.tokens)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+    def positions(self, start: int) -> torch.Tensor:
+        return start + torch.tensor(self.depths, dtype=torch.long)

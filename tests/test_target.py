@@ -1,0 +1,98 @@
+"""Tree verification gives, at every node, the logits of a plain sequential forward along that node's path; after
+commit the cache equals the one sequential decoding builds."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from treeflash import DraftTree, Target
+
+from conftest import tiny_target
+
+
+def sequential_logits(target: Target, ids: list[int]) -> torch.Tensor:
+    """Reference: no cache, no mask tricks, the whole sequence at once; the last position's logits."""
+    with torch.inference_mode():
+        return target.model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def random_tree(rng: random.Random, vocab: int, n: int) -> DraftTree:
+    tokens, parents, used = [rng.randrange(vocab)], [-1], set()
+    while len(tokens) < n:
+        p, tok = rng.randrange(len(tokens)), rng.randrange(vocab)
+        if (p, tok) not in used:
+            used.add((p, tok))
+            tokens.append(tok)
+            parents.append(p)
+    return DraftTree.from_parents(tokens, parents)
+
+
+def check_tree_logits(target: Target, prompt: list[int], tree: DraftTree, atol: float) -> None:
+    target.prefill(prompt)
+    out = target.verify(tree)
+    for i in range(len(tree)):
+        path = [tree.tokens[j] for j in tree.path_to(i)]
+        torch.testing.assert_close(out.logits[i], sequential_logits(target, prompt + path), atol=atol, rtol=0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 24), prompt_len=st.integers(1, 20))
+def test_tree_logits_equal_sequential(tiny, seed, n, prompt_len):
+    rng = random.Random(seed)
+    vocab = tiny.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+    check_tree_logits(tiny, prompt, random_tree(rng, vocab, n), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_taps_are_decoder_layer_outputs(kind):
+    target = tiny_target(kind)
+    target.taps = (0, 2)
+    prompt = [3, 1, 4, 1, 5]
+    out = target.prefill(prompt)
+    with torch.inference_mode():
+        ref = target.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.hidden[:, 0], ref[1][0])
+    torch.testing.assert_close(out.hidden[:, 1], ref[3][0])
+    assert out.hidden.shape == (len(prompt), 2, target.config.hidden_size)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6))
+def test_commit_leaves_the_sequential_cache(tiny, seed):
+    """Verify a tree, commit a random root-to-node path, then decode on: logits and K/V equal a sequential cache."""
+    rng = random.Random(seed)
+    vocab = tiny.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+    tree = random_tree(rng, vocab, rng.randint(1, 20))
+    path = tree.path_to(rng.randrange(len(tree)))
+    tiny.prefill(prompt)
+    tiny.verify(tree)
+    tiny.commit(path)
+    accepted = [tree.tokens[i] for i in path]
+    nxt = DraftTree.chain(rng.randrange(vocab), [rng.randrange(vocab) for _ in range(3)])
+    out = tiny.verify(nxt)
+    cached_keys = [layer.keys.clone() for layer in tiny.cache.layers]
+
+    tiny.prefill(prompt + accepted)  # the sequential reference cache
+    ref = tiny.verify(nxt)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
+    for mine, theirs in zip(cached_keys, (layer.keys for layer in tiny.cache.layers)):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+
+
+def test_verify_refuses_an_uncommitted_tree(tiny):
+    tiny.prefill([1, 2, 3])
+    tiny.verify(DraftTree.chain(4, [5]))
+    with pytest.raises(RuntimeError, match="commit"):
+        tiny.verify(DraftTree.chain(4))
+
+
+@pytest.mark.real
+def test_smollm2_tree_logits_equal_sequential(smollm2):
+    rng = random.Random(0)
+    prompt = smollm2.encode_prompt("Name three prime numbers.")
+    for n in (17, 9):
+        check_tree_logits(smollm2, prompt, random_tree(rng, smollm2.config.vocab_size, n), atol=2e-3)

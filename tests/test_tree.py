@@ -1,0 +1,58 @@
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from treeflash.tree import DraftTree, TreeError
+
+
+@st.composite
+def parent_lists(draw, max_nodes=40):
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = list(range(n))  # distinct tokens: siblings never collide
+    return tokens, parents
+
+
+@given(parent_lists())
+def test_depths_mask_and_paths_agree(tp):
+    tokens, parents = tp
+    tree = DraftTree.from_parents(tokens, parents)
+    mask = tree.ancestor_mask()
+    for i in range(len(tree)):
+        path = tree.path_to(i)
+        assert path[0] == 0 and path[-1] == i
+        assert tree.depths[i] == len(path) - 1
+        expected = torch.zeros(len(tree), dtype=torch.bool)
+        expected[path] = True
+        assert torch.equal(mask[i], expected)
+    assert torch.equal(tree.positions(10), 10 + torch.tensor(tree.depths))
+
+
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6), max_size=8), st.integers(1, 20))
+def test_from_paths_is_a_budgeted_trie(paths, budget):
+    tree = DraftTree.from_paths(99, paths, budget=budget)
+    assert tree.size <= budget
+    full = DraftTree.from_paths(99, paths)
+    # every stored root-to-node path is a prefix of an input path, and without a budget every input path is there
+    as_paths = {tuple(full.tokens[j] for j in full.path_to(i)[1:]) for i in range(len(full))}
+    for p in paths:
+        assert tuple(p) in as_paths
+    assert len(as_paths) == len(full)
+
+
+def test_chain():
+    tree = DraftTree.chain(5, [6, 7])
+    assert tree.is_chain and tree.tokens == (5, 6, 7) and tree.depths == (0, 1, 2) and tree.size == 2
+
+
+@pytest.mark.parametrize("tokens,parents,msg", [
+    ([], [], "at least its root"),
+    ([1, 2], [0, 0], "root"),
+    ([1, 2, 3], [-1, 2, 0], "before their children"),
+    ([1, 2, 3], [-1, -1, 0], "before their children"),
+    ([1, 2, 2], [-1, 0, 0], "two children"),
+    ([1, 2], [-1], "parents"),
+])
+def test_invalid_trees_are_refused(tokens, parents, msg):
+    with pytest.raises(TreeError, match=msg):
+        DraftTree.from_parents(tokens, parents)
