@@ -39,7 +39,7 @@ def smollm2() -> Target:
 class OracleTreeDrafter:
     """Test drafter: random trees that contain a (randomly cut, sometimes wrong) piece of the true continuation.
 
-    Random decoy branches are added before the true one, so the accepted path is rarely a prefix of the node
+    A random decoy branch comes before the true one, so the accepted path is rarely a prefix of the node
     order: that exercises acceptance deep in a tree and the K/V compaction of scattered nodes.
     """
 
@@ -61,4 +61,4 @@ class OracleTreeDrafter:
         # a decoy that shares the true branch's first tokens makes the accepted path fork away from node order
         if truth:
             decoys.append(truth[: rng.randint(1, len(truth))] + [rng.randrange(self.vocab)])
-        return DraftTree.from_paths(tokens[-1], decoys + [truth], budget=budget)
+        return DraftTree.from_paths(tokens[-1], decoys[:1] + [truth] + decoys[1:], budget=budget)

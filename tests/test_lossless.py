@@ -1,0 +1,77 @@
+"""Every method gives exactly the target's greedy tokens at T = 0 (fp32), against plain autoregressive decoding."""
+
+import random
+
+import pytest
+
+from treeflash import Sampling, generate
+from treeflash.drafters import make_drafter
+
+from conftest import OracleTreeDrafter
+
+
+def repetitive_prompt(rng: random.Random, vocab: int, n: int = 40) -> list[int]:
+    """Prompts with repeated n-grams, so that prompt lookup finds (and disagrees between) matches."""
+    motifs = [[rng.randrange(vocab) for _ in range(rng.randint(2, 5))] for _ in range(4)]
+    out: list[int] = []
+    while len(out) < n:
+        out += rng.choice(motifs) if rng.random() < 0.7 else [rng.randrange(vocab)]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_methods_match_ar_on_tiny_targets(tiny, seed):
+    rng = random.Random(seed)
+    vocab = tiny.config.vocab_size
+    prompt = repetitive_prompt(rng, vocab)
+    ar = generate(tiny, make_drafter("ar"), prompt, max_new_tokens=60).tokens
+    assert len(ar) == 60
+    for budget in (1, 4, 16):
+        assert generate(tiny, make_drafter("pld"), prompt, 60, budget=budget).tokens == ar
+        oracle = OracleTreeDrafter(ar, len(prompt), vocab, seed=seed)
+        result = generate(tiny, oracle, prompt, 60, budget=budget)
+        assert result.tokens == ar
+        if budget == 16:
+            assert result.tau > 1.5  # the oracle's true branches were accepted, deep in the tree
+
+
+def test_eos_and_max_tokens_stop_where_ar_stops(tiny):
+    prompt = repetitive_prompt(random.Random(7), tiny.config.vocab_size)
+    ar = generate(tiny, make_drafter("ar"), prompt, 30).tokens
+    stop = ar[11]
+    tiny.eos_ids = frozenset({stop})
+    try:
+        expected = ar[: ar.index(stop) + 1]
+        for method in ("ar", "pld"):
+            assert generate(tiny, make_drafter(method), prompt, 30).tokens == expected
+        assert generate(tiny, OracleTreeDrafter(ar, len(prompt), 96), prompt, 30, budget=16).tokens == expected
+    finally:
+        tiny.eos_ids = frozenset()
+    for n in (1, 2, 7):
+        assert generate(tiny, OracleTreeDrafter(ar, len(prompt), 96), prompt, n, budget=16).tokens == ar[:n]
+
+
+def test_streaming_callback_sees_every_token_once(tiny):
+    prompt = repetitive_prompt(random.Random(3), tiny.config.vocab_size)
+    seen: list[int] = []
+    result = generate(tiny, make_drafter("pld"), prompt, 40, on_token=seen.append)
+    assert seen == result.tokens
+
+
+@pytest.mark.real
+def test_smollm2_pld_and_tree_drafter_match_ar(smollm2):
+    prompts = ["Write a Python function that returns the sum of a list, then explain it.",
+               "Janet has 3 apples and buys 5 more. How many apples does she have? Explain step by step."]
+    for i, text in enumerate(prompts):
+        prompt = smollm2.encode_prompt(text)
+        ar = generate(smollm2, make_drafter("ar"), prompt, 48).tokens
+        pld = generate(smollm2, make_drafter("pld"), prompt, 48, budget=16)
+        assert pld.tokens == ar
+        oracle = OracleTreeDrafter(ar, len(prompt), smollm2.config.vocab_size, seed=i)
+        assert generate(smollm2, oracle, prompt, 48, budget=16).tokens == ar
+
+
+def test_sampling_rejects_bad_numbers():
+    for kwargs in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(ValueError):
+            Sampling(**kwargs)

@@ -1,0 +1,100 @@
+"""At T > 0 spec-decoded tokens are exact samples of the target's processed distribution (chi-square), and a
+deliberately biased acceptance rule fails the same test, so the test can fail."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import treeflash.engine
+from treeflash import DraftTree, Sampling, generate
+from treeflash.drafters import make_drafter
+
+from conftest import tiny_target
+
+VOCAB, PROMPT, SAMPLES = 10, [1, 4, 2, 7], 2000
+
+
+class FixedTreeDrafter:
+    """Always the same deterministic tree: 4 children under the root, 3 under each of them."""
+
+    name, taps = "fixed-tree", ()
+
+    def reset(self):
+        pass
+
+    def propose(self, tokens, features, budget):
+        return DraftTree.from_paths(tokens[-1], [[a, b] for a in (0, 1, 2, 3) for b in (0, 1, 2)], budget=budget)
+
+
+def biased_accept(tree, logits, sampling, generator=None):
+    """min(1, p/q) against the drafter's own (uniform) proposal, without the residual on rejection: biased."""
+    probs, children, path = sampling.probs(logits), tree.children(), [0]
+    while True:
+        node = path[-1]
+        for token, child in children[node].items():
+            q = 1 / len(children[node])
+            if torch.rand((), generator=generator) < min(1.0, probs[node, token].item() / q):
+                path.append(child)
+                break
+        else:
+            return path, int(torch.multinomial(probs[node], 1, generator=generator))
+
+
+@pytest.fixture(scope="module")
+def peaky():
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB)
+    with torch.no_grad():  # sharper logits, so that a biased rule has something to get wrong
+        target.model.lm_head.weight.mul_(8)
+    return target
+
+
+def exact_joint(target, sampling) -> torch.Tensor:
+    """P(second, third new token), summed over the first: [V, V], from plain forwards."""
+    with torch.inference_mode():
+        p1 = sampling.probs(target.model(torch.tensor([PROMPT])).logits[0, -1])
+        seqs = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p2 = sampling.probs(target.model(seqs).logits[:, -1])  # [a, b]
+        seqs = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+        p3 = sampling.probs(target.model(seqs).logits[:, -1]).reshape(VOCAB, VOCAB, VOCAB)  # [a, b, c]
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+def chi_square_pvalue(target, sampling, drafter) -> float:
+    counts = torch.zeros(VOCAB, VOCAB)
+    for seed in range(SAMPLES):
+        t = generate(target, drafter, PROMPT, max_new_tokens=3, sampling=sampling, budget=16, seed=seed).tokens
+        counts[t[1], t[2]] += 1
+    expected = exact_joint(target, sampling).flatten() * SAMPLES
+    observed = counts.flatten()
+    assert observed[expected == 0].sum() == 0, "a token outside the processed distribution's support"
+    keep = expected >= 5  # pool the rare cells into one, as the test's approximation needs
+    obs, exp = observed[keep], expected[keep]
+    if expected[~keep].sum() > 0:
+        obs = torch.cat([obs, observed[~keep].sum(0, keepdim=True)])
+        exp = torch.cat([exp, expected[~keep].sum(0, keepdim=True)])
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.8, top_k=6, top_p=0.9)])
+def test_tree_sampling_is_exact(peaky, sampling):
+    assert chi_square_pvalue(peaky, sampling, FixedTreeDrafter()) > 1e-3
+    assert chi_square_pvalue(peaky, sampling, make_drafter("ar")) > 1e-3
+
+
+def test_biased_acceptance_fails_the_same_test(peaky, monkeypatch):
+    monkeypatch.setattr(treeflash.engine, "accept", biased_accept)
+    pvalue = chi_square_pvalue(peaky, Sampling(temperature=1.0), FixedTreeDrafter())
+    print(f"biased rule: p = {pvalue:.2e}")
+    assert pvalue < 1e-6
+
+
+def test_processed_distribution():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.equal(Sampling(1.0, top_k=2).probs(logits)[0, 2:], torch.zeros(3))
+    p = torch.softmax(logits[0], -1)  # 0.636, 0.234, 0.086, ...
+    kept = Sampling(1.0, top_p=0.8).probs(logits)[0]
+    torch.testing.assert_close(kept[:2], p[:2] / p[:2].sum())  # the token crossing 0.8 is kept
+    assert kept[2:].sum() == 0
+    assert Sampling(0.0).choose(logits).item() == 0
