@@ -12,7 +12,8 @@ from .recurrent import tree_verify_recurrent
 from .reference import tree_verify_reference
 from .state import GDNStash, commit_state, normalize_qk
 from .tree_solve import tree_verify_solve
-from .triton_tree import HAS_TRITON, gdn_tree_verify, tree_solve_triton
+from .triton_tree import HAS_TRITON, tree_solve_triton
+from .verify import gdn_tree_verify
 from .tree_utils import ancestor_mask, path_to, root_to_leaf_paths
 
 __all__ = [
