@@ -13,12 +13,12 @@ from .tree_utils import Parents, as_parent_list, root_to_leaf_paths
 
 
 def gdn_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             beta: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule for all heads. S [H, dk, dv]; q, k [H, dk]; v [H, dv]; g, beta [H].
-    Returns (new S, o [H, dv], U [H, dv])."""
-    S = torch.exp(g)[:, None, None] * S
+    Returns (new S, o [H, dv], U [H, dv]); the new S is written into `out` if given (S itself is not changed)."""
+    S = torch.mul(S, torch.exp(g)[:, None, None], out=out)
     U = beta[:, None] * (v - torch.einsum("hkv,hk->hv", S, k))
-    S = S + k[:, :, None] * U[:, None, :]
+    S.baddbmm_(k[:, :, None], U[:, None, :])  # S += k U^T, in place: no dk x dv temporary
     return S, torch.einsum("hkv,hk->hv", S, q), U
 
 
