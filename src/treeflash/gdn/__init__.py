@@ -4,6 +4,7 @@ Three interchangeable implementations, all `(q, k, v, g, beta, S0, parents) -> (
   tree_verify_reference  (a) sequential recurrence replayed along every root-to-leaf path;
   tree_verify_recurrent  (b) per-node recurrence from the parent's stored full state;
   tree_verify_solve      (c) one masked triangular solve (torch), and tree_solve_triton, its Triton kernel.
+`gdn_tree_verify(..., impl="auto")` picks one (Triton on CUDA when installed, else the torch solve);
 `commit_state` rebuilds the accepted state from the stash; `conv` holds the tree form of the short conv.
 """
 
@@ -12,9 +13,9 @@ from .recurrent import tree_verify_recurrent
 from .reference import tree_verify_reference
 from .state import GDNStash, commit_state, normalize_qk
 from .tree_solve import tree_verify_solve
+from .tree_utils import ancestor_mask, path_to, root_to_leaf_paths
 from .triton_tree import HAS_TRITON, tree_solve_triton
 from .verify import gdn_tree_verify
-from .tree_utils import ancestor_mask, path_to, root_to_leaf_paths
 
 __all__ = [
     "GDNStash", "HAS_TRITON", "ancestor_mask", "commit_conv_state", "commit_state", "gdn_tree_verify",
