@@ -103,3 +103,14 @@ def test_console_script_error_has_no_traceback():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["treeflash: error: argument --budget: must be >= 1, got 0"]
+
+
+def test_gdn_bench_json(capsys):
+    assert main(["gdn-bench", "--tree-size", "8,70", "--heads", "2", "--dk", "16", "--dv", "16", "--repeats", "1",
+                 "--json"]) == 0
+    sizes = json.loads(capsys.readouterr().out)["sizes"]
+    assert set(sizes) == {"8", "70"}
+    for row in sizes.values():
+        assert row["max_abs_err"] < 1e-4
+        assert row["speedup_vs_branch_recurrent"] > 0 and row["speedup_vs_node_recurrent"] > 0
+        assert row["stash_bytes"] < row["full_state_bytes"]

@@ -1,4 +1,4 @@
-"""The `treeflash` command line: generate, bench, overhead."""
+"""The `treeflash` command line: generate, bench, overhead, gdn-bench."""
 
 from __future__ import annotations
 
@@ -82,7 +82,26 @@ def build_parser() -> Parser:
     o.add_argument("--repeats", type=_positive_int, default=20)
     o.add_argument("--json", action="store_true")
     _add_decoding_args(o)
+
+    gb = sub.add_parser("gdn-bench", help="Gated DeltaNet tree verification: per-branch replay vs per-node "
+                        "recurrence vs masked tree solve (error, speed, memory)")
+    gb.add_argument("--tree-size", type=_int_list, default=[16, 32, 64, 128], help="nodes per tree (16,32,64,128)")
+    gb.add_argument("--heads", type=_positive_int, default=32)
+    gb.add_argument("--dk", type=_positive_int, default=128)
+    gb.add_argument("--dv", type=_positive_int, default=128)
+    gb.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per implementation (median)")
+    gb.add_argument("--seed", type=int, default=0)
+    gb.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gb.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's)")
+    gb.add_argument("--json", action="store_true")
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [_positive_int(x) for x in text.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
 
 
 def _sampling(args):
@@ -184,12 +203,24 @@ def cmd_overhead(args) -> None:
           f"{report['bare_forward_17_ms']:7.1f} ms  ratio {report['tree_overhead']:.3f}")
 
 
+def cmd_gdn_bench(args) -> None:
+    import torch
+
+    from .gdn.bench import format_table, run_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_bench(tuple(args.tree_size), args.heads, args.dk, args.dv, args.repeats, args.seed, args.device)
+    print(json.dumps(result) if args.json else format_table(result))
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         args = build_parser().parse_args(argv)
         _quiet_libraries()
-        {"generate": cmd_generate, "bench": cmd_bench, "overhead": cmd_overhead}[args.command](args)
+        {"generate": cmd_generate, "bench": cmd_bench, "overhead": cmd_overhead,
+         "gdn-bench": cmd_gdn_bench}[args.command](args)
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)
         return 130

@@ -4,12 +4,11 @@ Trees are shaped like DDTree's: a best-first heap over per-depth top-k marginals
 (c) against (a), their times (fp32, median of a few repeats, same run), and the memory each needs for the
 deferred commit: the (k, U, G) stash vs one full state per node.
 
-    python -m treeflash.gdn.bench --tree-size 16,32,64,128 [--json]
+    treeflash gdn-bench --tree-size 16,32,64,128 [--json]
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import statistics
@@ -131,26 +130,3 @@ def format_table(result: dict) -> str:
     lines.append(f"fp32, device {first.get('device')}, {first.get('threads')} torch threads; "
                  "x = speedup of the tree solve; memory per layer for the deferred commit")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tree-size", default="16,32,64,128", help="comma-separated tree sizes (nodes, root included)")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--dk", type=int, default=128)
-    ap.add_argument("--dv", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    sizes = tuple(int(s) for s in args.tree_size.split(","))
-    result = run_bench(sizes, args.heads, args.dk, args.dv, args.repeats, args.seed, args.device)
-    print(json.dumps(result) if args.json else format_table(result))
-
-
-if __name__ == "__main__":
-    main()
