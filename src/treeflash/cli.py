@@ -57,6 +57,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> Parser:
     from .drafters import METHODS
+    from .target import DEFAULT_TARGET
 
     parser = Parser(prog="treeflash", description="Lossless tree speculative decoding with one-shot block drafters.")
     parser.add_argument("--version", action="version", version=f"treeflash {__version__}")
@@ -94,6 +95,21 @@ def build_parser() -> Parser:
     gb.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gb.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's)")
     gb.add_argument("--json", action="store_true")
+
+    data = sub.add_parser("data", help="training data").add_subparsers(dest="data_command", required=True,
+                                                                      parser_class=Parser)
+    rg = data.add_parser("regen", help="the target regenerates the answers of training prompts (resumable)")
+    rg.add_argument("--out", default="data/regen", help="folder of JSONL shards (data/regen)")
+    rg.add_argument("--sources", default="gsm8k,mbpp,sharegpt,code_alpaca",
+                    help="training prompt sets (gsm8k,mbpp,sharegpt,code_alpaca); never the test splits")
+    rg.add_argument("--data-dir", default=None, help="where the prompt sets are (../shared/data, or TREEFLASH_DATA)")
+    rg.add_argument("--limit", type=_positive_int, default=None, help="at most this many prompts in all")
+    rg.add_argument("--batch-size", type=_positive_int, default=32)
+    rg.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    rg.add_argument("--target", default=DEFAULT_TARGET)
+    rg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    rg.add_argument("--device", default=None)
+    rg.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -214,13 +230,33 @@ def cmd_gdn_bench(args) -> None:
     print(json.dumps(result) if args.json else format_table(result))
 
 
+def cmd_data(args) -> None:
+    from pathlib import Path
+
+    from .train.data import default_data_dir, regenerate, training_prompts
+
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    prompts = training_prompts(data_dir, [s.strip() for s in args.sources.split(",") if s.strip()])
+    if args.limit:
+        prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
+    report = regenerate(_load_target(args), prompts, Path(args.out), args.max_new_tokens, args.batch_size,
+                        seed=args.seed)
+    print(json.dumps(report))
+
+
+def _spread(items: list, n: int) -> list:
+    """n items drawn evenly across the list (a limit that keeps every source)."""
+    step = len(items) / n
+    return [items[int(i * step)] for i in range(min(n, len(items)))]
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         args = build_parser().parse_args(argv)
         _quiet_libraries()
         {"generate": cmd_generate, "bench": cmd_bench, "overhead": cmd_overhead,
-         "gdn-bench": cmd_gdn_bench}[args.command](args)
+         "gdn-bench": cmd_gdn_bench, "data": cmd_data}[args.command](args)
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)
         return 130

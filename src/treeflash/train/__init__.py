@@ -1,0 +1,1 @@
+"""Training: self-distillation data, losses, trainers (torchrun)."""

@@ -1,0 +1,126 @@
+"""Self-distillation data: the target regenerates the answers of training prompts.
+
+Drafters learn to predict what the target itself writes, so the training text is the target's own greedy output
+for training prompts (GSM8K train, the MBPP tasks outside its test split, ShareGPT and Code Alpaca prompts), never
+the evaluation splits. Generation is batched (left padding, one HF `generate` per batch) and resumable: each batch
+lands atomically as its own JSONL shard, and a rerun skips the prompt ids already written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..eval.datasets import DatasetError, read_jsonl
+from ..target import Target
+
+MBPP_TEST_IDS = range(11, 511)  # the MBPP test split: never trained on
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("TREEFLASH_DATA", "../shared/data"))
+
+
+def _mbpp_prompt(row: dict) -> str:
+    return f"{row['text']}\nYour code should pass this test:\n{row['test_list'][0]}"
+
+
+# source name -> (file under the data dir, id of a row, prompt of a row, keep the row?)
+SOURCES = {
+    "gsm8k": ("gsm8k/train.jsonl", lambda i, r: i, lambda r: r["question"], lambda r: True),
+    "mbpp": ("mbpp/mbpp.jsonl", lambda i, r: r["task_id"], _mbpp_prompt,
+             lambda r: r["task_id"] not in MBPP_TEST_IDS),
+    "sharegpt": ("prompts/sharegpt_prompts.jsonl", lambda i, r: r.get("id", i), lambda r: r["prompt"],
+                 lambda r: True),
+    "code_alpaca": ("prompts/code_alpaca_2k_prompts.jsonl", lambda i, r: i, lambda r: r["prompt"], lambda r: True),
+}
+
+
+def training_prompts(data_dir: Path, sources: list[str]) -> list[tuple[str, str]]:
+    """(id, prompt) pairs of the chosen training sources, ids like 'gsm8k/17'."""
+    out = []
+    for name in sources:
+        if name not in SOURCES:
+            raise DatasetError(f"unknown training source {name!r}; choose from {', '.join(SOURCES)}")
+        path, row_id, prompt, keep = SOURCES[name]
+        if not (data_dir / path).is_file():
+            raise DatasetError(f"no such file: {data_dir / path} (set --data-dir or TREEFLASH_DATA)")
+        out += [(f"{name}/{row_id(i, r)}", prompt(r)) for i, r in enumerate(read_jsonl(data_dir / path)) if keep(r)]
+    return out
+
+
+def done_ids(out_dir: Path) -> set[str]:
+    return {row["id"] for shard in sorted(out_dir.glob("shard-*.jsonl")) for row in read_jsonl(shard)}
+
+
+def write_shard(out_dir: Path, rows: list[dict]) -> Path:
+    index = len(list(out_dir.glob("shard-*.jsonl")))
+    path = out_dir / f"shard-{index:05d}.jsonl"
+    tmp = out_dir / f".{path.name}.tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.rename(path)  # atomic: an interrupted batch leaves no half shard
+    return path
+
+
+@torch.inference_mode()
+def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers for a batch of prompts (left padded), each cut after its first EOS."""
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(target.eos_ids)
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    out = target.model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                                eos_token_id=sorted(target.eos_ids))
+    answers = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in target.eos_ids), len(row))
+        answers.append(row[:end])
+    return answers
+
+
+def regenerate(target: Target, prompts: list[tuple[str, str]], out_dir: Path, max_new_tokens: int = 256,
+               batch_size: int = 32, max_prompt_tokens: int = 512, seed: int = 0) -> dict:
+    """Write the target's answers for `prompts` as JSONL shards in `out_dir`; returns throughput figures."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    skip = done_ids(out_dir)
+    todo = [(i, p) for i, p in prompts if i not in skip]
+    random.Random(seed).shuffle(todo)  # sources mixed, so a partial run is still a balanced sample
+    encoded = [(i, target.encode_prompt(p)) for i, p in todo]
+    encoded = [(i, ids) for i, ids in encoded if len(ids) <= max_prompt_tokens]
+    tokens, started = 0, time.time()
+    bar = tqdm(total=len(encoded), desc="regen", unit="prompt")
+    # sort each group of 8 batches by prompt length: less padding, order still mixed across the run
+    for g in range(0, len(encoded), 8 * batch_size):
+        group = sorted(encoded[g:g + 8 * batch_size], key=lambda x: len(x[1]))
+        for b in range(0, len(group), batch_size):
+            batch = group[b:b + batch_size]
+            answers = generate_batch(target, [ids for _, ids in batch], max_new_tokens)
+            write_shard(out_dir, [{"id": i, "prompt_ids": ids, "response_ids": a}
+                                  for (i, ids), a in zip(batch, answers)])
+            tokens += sum(map(len, answers))
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{tokens / (time.time() - started):.0f}")
+    bar.close()
+    seconds = time.time() - started
+    return {"prompts": len(encoded), "skipped_done": len(skip), "new_tokens": tokens, "seconds": seconds,
+            "tokens_per_second": tokens / max(seconds, 1e-9)}
+
+
+def load_regen(data_dir: Path) -> list[dict]:
+    """All regenerated samples in a folder of shards, in a fixed order."""
+    rows = [row for shard in sorted(Path(data_dir).glob("shard-*.jsonl")) for row in read_jsonl(shard)]
+    if not rows:
+        raise DatasetError(f"no regenerated data in {data_dir} (run `treeflash data regen` first)")
+    return sorted(rows, key=lambda r: r["id"])
