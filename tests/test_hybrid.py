@@ -61,7 +61,7 @@ def test_hybrid_target_wraps_its_gdn_layers(hybrid):
 def test_tree_logits_equal_sequential(hybrid, seed, n, prompt_len):
     rng = random.Random(seed)
     prompt = [rng.randrange(96) for _ in range(prompt_len)]
-    check_tree_logits(hybrid, prompt, random_tree(rng, 96, n), atol=1e-4)
+    check_tree_logits(hybrid, prompt, random_tree(rng, 96, n), atol=5e-4)
     assert sorted(hybrid.gdn.pending) == GDN_LAYERS  # the tree path ran on every GDN layer
 
 
@@ -96,13 +96,13 @@ def test_commit_leaves_the_sequential_cache(hybrid, seed):
 
     hybrid.prefill(accepted)  # the sequential reference: HF's own (chunked) prefill
     for (conv, state), (conv_ref, state_ref) in zip(committed, gdn_states(hybrid)):
-        torch.testing.assert_close(conv, conv_ref, atol=1e-4, rtol=0)
-        torch.testing.assert_close(state, state_ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(conv, conv_ref, atol=2e-4, rtol=0)
+        torch.testing.assert_close(state, state_ref, atol=2e-4, rtol=0)
     ref = hybrid.verify(nxt)
-    torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=0)
-    torch.testing.assert_close(keys, hybrid.cache.layers[1].keys, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits, ref.logits, atol=5e-4, rtol=0)
+    torch.testing.assert_close(keys, hybrid.cache.layers[1].keys, atol=1e-4, rtol=0)
     full = accepted + list(nxt.tokens)
-    torch.testing.assert_close(out.logits[-1], sequential_logits(hybrid, full), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.logits[-1], sequential_logits(hybrid, full), atol=5e-4, rtol=0)
 
 
 def hf_greedy(target: Target, prompt: list[int], n: int) -> list[int]:
