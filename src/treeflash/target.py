@@ -3,6 +3,11 @@
 It holds one sequence's KV cache. `prefill` starts a sequence, `verify` runs the flattened tree over the cache
 (ancestor mask, positions start + depth) and leaves the tree's K/V pending, `commit` keeps the accepted nodes'
 K/V so that the cache equals what sequential decoding would hold.
+
+Hybrid models (Qwen3.5, Qwen3-Next) also have Gated DeltaNet layers, which keep a conv and a recurrent state
+instead of K/V. There every verification (chains too) runs those layers through the tree path of
+`gdn.hybrid.HybridGDN`, which reads the committed states and writes nothing; `commit` writes the accepted
+path's states.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from .gdn.hybrid import HybridGDN
 from .tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -105,6 +112,7 @@ class Target:
         self.cache: DynamicCache | None = None
         self.length = 0  # committed positions in the cache
         self.pending = 0  # positions of the last verified tree, in the cache until commit()
+        self.gdn = HybridGDN.install(model)  # None unless the model has Gated DeltaNet layers
 
     @classmethod
     def load(cls, name_or_path: str = DEFAULT_TARGET, dtype: str = "float32", device: str | None = None,
@@ -170,7 +178,11 @@ class Target:
             raise ValueError("empty prompt")
         if len(ids) >= self.context_length:
             raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.context_length}")
-        self.cache, self.length, self.pending = DynamicCache(), 0, 0
+        # a hybrid model's cache needs its layer types: linear-attention layers hold conv/recurrent states
+        self.cache = DynamicCache(config=self.model.config) if self.gdn else DynamicCache()
+        self.length, self.pending = 0, 0
+        if self.gdn:
+            self.gdn.discard()
         out = self._forward(torch.tensor(ids), torch.arange(len(ids)), None, logits_to_keep=1)
         self.length = len(ids)
         return out
@@ -186,7 +198,9 @@ class Target:
             dtype = self.model.dtype
             mask = torch.zeros(1, 1, n, start + n, dtype=dtype, device=self.device)
             mask.masked_fill_(~allowed.to(self.device), torch.finfo(dtype).min)
-        out = self._forward(torch.tensor(tree.tokens), tree.positions(start), mask)
+        # GDN layers always take the tree path: HF's multi-token path would write states a rejection must undo
+        with self.gdn.tree(tree.parents) if self.gdn else nullcontext():
+            out = self._forward(torch.tensor(tree.tokens), tree.positions(start), mask)
         self.pending = n
         return out
 
@@ -194,15 +208,18 @@ class Target:
     def commit(self, nodes: list[int]) -> None:
         """Keep the K/V of `nodes` (indices into the last verified tree, root first, a root-to-node path)."""
         start, k = self.length, len(nodes)
+        kv_layers = [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
         if nodes != list(range(k)):
             index = torch.tensor(nodes, device=self.device) + start
-            for layer in self.cache.layers:
+            for layer in kv_layers:
                 # move the accepted entries down to start..start+k; the copy on the right is made before writing
                 layer.keys[..., start:start + k, :] = layer.keys[..., index, :]
                 layer.values[..., start:start + k, :] = layer.values[..., index, :]
-        for layer in self.cache.layers:
+        for layer in kv_layers:
             layer.keys = layer.keys[..., : start + k, :]
             layer.values = layer.values[..., : start + k, :]
+        if self.gdn:  # linear-attention layers: the deferred commit of the accepted path's states
+            self.gdn.commit(self.cache, nodes)
         self.length, self.pending = start + k, 0
 
 
