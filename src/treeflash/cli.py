@@ -53,6 +53,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="target precision; float32 is exact against AR, bfloat16 is faster on recent CPUs")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree "
+                   "(default: the one shipped for the target)")
 
 
 def build_parser() -> Parser:
@@ -165,7 +167,7 @@ def cmd_generate(args) -> None:
             sys.stdout.flush()
             printed = text
 
-    result = generate(target, make_drafter(args.method, target), prompt, args.max_new_tokens, sampling,
+    result = generate(target, make_drafter(args.method, target, args.drafter), prompt, args.max_new_tokens, sampling,
                       args.budget, seed=args.seed, on_token=None if args.json else stream)
     if args.json:
         print(json.dumps({
@@ -190,7 +192,7 @@ def cmd_bench(args) -> None:
         _encode(target, p)
     started = time.time()
     methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, drafter_path=args.drafter)
     report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budget": args.budget,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "seconds": time.time() - started,
@@ -262,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as err:  # user-caused errors: one line, no traceback
         from .eval.datasets import DatasetError
+        from .models.dflash import DrafterError
         from .target import TargetError
 
-        if not isinstance(err, (UsageError, DatasetError, TargetError, OSError)):
+        if not isinstance(err, (UsageError, DatasetError, DrafterError, TargetError, OSError)):
             raise
         print(f"treeflash: error: {err}", file=sys.stderr)
         return 2

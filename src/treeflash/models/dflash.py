@@ -1,0 +1,287 @@
+"""DFlash: a one-shot block drafter conditioned on the target's hidden states (DESIGN section 2).
+
+A short stack of Qwen3-style decoder layers. The block is [last verified token, mask x (γ-1)], bidirectional; the
+target's tapped hidden states are concatenated, fused by `fc` + RMSNorm, and injected as extra keys/values into
+every layer (through that layer's own k/v projections, k-norm and RoPE). The target's embedding and LM head are
+reused, never stored in the drafter. Parameter names and config fields follow the published DFlash layout, so
+those checkpoints load with `from_pretrained` too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+
+class DrafterError(ValueError):
+    """A drafter checkpoint that cannot be used (unreadable, or it does not fit the target)."""
+
+
+def tap_layers(num_target_layers: int, n: int) -> list[int]:
+    """DFlash's evenly spaced taps: round(1 + i (L - 4) / (n - 1)); the middle layer when n == 1."""
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    block_size: int = 16
+    mask_token_id: int | None = None  # None: a learned mask embedding (the target has no mask token)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    extra: dict = field(default_factory=dict)  # unknown fields of a published config, kept on save
+
+    @classmethod
+    def for_target(cls, target_config, num_layers: int = 3, num_taps: int = 5, block_size: int = 16,
+                   intermediate_size: int | None = None) -> "DFlashConfig":
+        """A drafter at the target's width, heads and RoPE, tapping `num_taps` evenly spaced target layers."""
+        c = target_config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
+                   num_hidden_layers=num_layers, num_attention_heads=heads,
+                   num_key_value_heads=getattr(c, "num_key_value_heads", heads),
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
+                   num_target_layers=c.num_hidden_layers,
+                   target_layer_ids=tap_layers(c.num_hidden_layers, num_taps), block_size=block_size,
+                   rms_norm_eps=c.rms_norm_eps, rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 1e6)))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        extra = d.pop("extra")
+        # the DFlash layout: Qwen3 fields plus dflash_config
+        d["dflash_config"] = {"block_size": d["block_size"], "mask_token_id": d.pop("mask_token_id"),
+                              "target_layer_ids": d.pop("target_layer_ids")}
+        d["rope_parameters"] = {"rope_theta": d.pop("rope_theta"), "rope_type": "default"}
+        return {**extra, "architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DFlashConfig":
+        d = dict(d)
+        dflash = d.pop("dflash_config", {}) or {}
+        rope = d.pop("rope_parameters", None) or {}
+        n_target = d.get("num_target_layers")
+        layer_ids = dflash.get("target_layer_ids") or d.pop("target_layer_ids", None)
+        if layer_ids is None:
+            if n_target is None:
+                raise DrafterError("drafter config has neither target_layer_ids nor num_target_layers")
+            layer_ids = tap_layers(n_target, d.get("num_hidden_layers", 5))
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        kwargs = {k: d.pop(k) for k in list(d) if k in known}
+        kwargs.update(
+            target_layer_ids=list(layer_ids),
+            block_size=dflash.get("block_size", kwargs.get("block_size", 16)),
+            mask_token_id=dflash.get("mask_token_id", kwargs.get("mask_token_id")),
+            rope_theta=rope.get("rope_theta", d.pop("rope_theta", kwargs.get("rope_theta", 1e6))),
+        )
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        kwargs.setdefault("num_target_layers", max(layer_ids) + 1)
+        return cls(**kwargs, extra=d)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        return (self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention, as Llama/Qwen3) on x [..., T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[..., None] * freqs  # [..., T, half]
+    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [T, kv_heads, head_dim] of states x [T, H] at `positions` [T]."""
+        c = self.c
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        return rope(k, positions, c.rope_theta), v
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """h [T, H] block states; ctx_k/v [C, kv_heads, head_dim]; mask [T, C + T] bool (None: see all)."""
+        c = self.c
+        q = rope(self.q_norm(self.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
+                 c.rope_theta)
+        k, v = self.kv(h, positions)
+        k, v = torch.cat([ctx_k, k]), torch.cat([ctx_v, v])
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                             enable_gqa=c.num_attention_heads != c.num_key_value_heads)
+        return self.o_proj(out.transpose(0, 1).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, h, positions, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """The block drafter. `embed` and `lm_head` are the target's modules, attached, not owned (not saved)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(0.02 * torch.randn(c.hidden_size))
+        self._target = ()  # (embed, lm_head): a tuple, so that they are not registered as submodules
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    # ---- the target's modules -------------------------------------------------------------------------------
+    def attach(self, target_model) -> "DFlashDrafter":
+        """Use the target's input embedding and LM head; refuse a target this drafter does not fit."""
+        c, tc = self.config, target_model.config.get_text_config(decoder=True)
+        problems = []
+        if tc.hidden_size != c.hidden_size:
+            problems.append(f"hidden size {c.hidden_size} vs the target's {tc.hidden_size}")
+        if tc.vocab_size != c.vocab_size:
+            problems.append(f"vocabulary {c.vocab_size} vs the target's {tc.vocab_size}")
+        if max(c.target_layer_ids) >= tc.num_hidden_layers:
+            problems.append(f"taps layers {c.target_layer_ids}, the target has {tc.num_hidden_layers}")
+        if problems:
+            raise DrafterError("this drafter does not fit the target: " + "; ".join(problems))
+        self._target = (target_model.get_input_embeddings(), target_model.get_output_embeddings())
+        return self
+
+    @property
+    def embed(self) -> nn.Module:
+        if not self._target:
+            raise RuntimeError("attach(target_model) first: the drafter uses the target's embedding and LM head")
+        return self._target[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._target[1] if self._target else self.embed
+
+    # ---- forward pieces ---------------------------------------------------------------------------------------
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """Context features [C, H] from the target's tapped hidden states [C, n_taps, H]."""
+        return self.hidden_norm(self.fc(taps.flatten(-2).to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the injected keys/values of fused context features ctx [C, H] at `positions` [C]."""
+        return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
+
+    def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings [N * γ, H] of N blocks [token, mask x (γ-1)]."""
+        c = self.config
+        n = first_tokens.shape[0]
+        if c.mask_token_id is not None:
+            tokens = torch.full((n, c.block_size), c.mask_token_id, dtype=torch.long, device=first_tokens.device)
+            tokens[:, 0] = first_tokens
+            return self.embed(tokens).flatten(0, 1)
+        first = self.embed(first_tokens)[:, None]  # [N, 1, H]
+        masks = self.mask_embedding.to(first.dtype).expand(n, c.block_size - 1, -1)
+        return torch.cat([first, masks], dim=1).flatten(0, 1)
+
+    def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
+        h = x.to(self.fc.weight.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            h = layer(h, positions, k, v, mask)
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h.to(self.lm_head.weight.dtype))
+
+    @torch.no_grad()
+    def draft_logits(self, root: int, position: int, ctx_kv) -> torch.Tensor:
+        """Inference: logits [γ - 1, V] of the block after `root` at `position`, given the cached context K/V."""
+        device = self.fc.weight.device
+        x = self.block_inputs(torch.tensor([root], device=device))
+        positions = position + torch.arange(self.config.block_size, device=device)
+        return self.logits(self.hidden(x, positions, ctx_kv, None)[1:]).float()
+
+    # ---- save / load -------------------------------------------------------------------------------------------
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
+        config = DFlashConfig.from_json(json.loads((folder / "config.json").read_text()))
+        model = cls(config)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no drafter weights (*.safetensors) in {folder}")
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        # published checkpoints may carry the target's embedding / head: the target's own are used instead
+        state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DrafterError(f"drafter weights in {folder} do not match its config: missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}")
+        return model.to(dtype).eval()

@@ -1,0 +1,5 @@
+"""Tree builders: from a drafter's per-depth scores to a DraftTree under a budget."""
+
+from .marginal import best_first_tree, chain_tree
+
+__all__ = ["best_first_tree", "chain_tree"]

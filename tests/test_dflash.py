@@ -1,0 +1,111 @@
+"""The DFlash block drafter: checkpoints (ours and the published layout), fit checks, context cache, losslessness."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from treeflash import generate
+from treeflash.drafters import BlockDrafter, make_drafter
+from treeflash.models.dflash import DFlashConfig, DFlashDrafter, DrafterError, tap_layers
+from treeflash.trees import best_first_tree, chain_tree
+
+from conftest import tiny_target
+from test_lossless import repetitive_prompt
+
+
+def tiny_drafter(target, seed=0, **kw) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    config = DFlashConfig.for_target(target.config, num_layers=2, num_taps=2, block_size=kw.pop("block_size", 8),
+                                     **kw)
+    return DFlashDrafter(config).attach(target.model)
+
+
+def test_tap_layers_match_dflash():
+    assert tap_layers(36, 5) == [1, 9, 17, 25, 33]
+    assert tap_layers(30, 1) == [15]
+
+
+def test_save_and_load_round_trip(tmp_path):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path, dtype=torch.float32)
+    assert not any(k.startswith(("embed", "lm_head")) for k in drafter.state_dict())
+    loaded = DFlashDrafter.from_pretrained(tmp_path).attach(target.model)
+    kv = drafter.context_kv(drafter.fuse(torch.randn(5, 2, 64)), torch.arange(5))
+    torch.testing.assert_close(loaded.draft_logits(3, 5, kv), drafter.draft_logits(3, 5, kv))
+
+
+def test_published_layout_loads(tmp_path):
+    """A checkpoint written the way published DFlash drafters are: Qwen3 config + dflash_config, a mask token,
+    the target's embedding stored alongside (ignored)."""
+    target = tiny_target("qwen3")
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "vocab_size": 96, "rms_norm_eps": 1e-6, "num_target_layers": 3, "block_size": 4,
+              "rope_theta": 10000.0, "dflash_config": {"mask_token_id": 95, "target_layer_ids": [0, 2]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shapes = {"fc.weight": (64, 128), "hidden_norm.weight": (64,), "norm.weight": (64,),
+              "layers.0.input_layernorm.weight": (64,), "layers.0.post_attention_layernorm.weight": (64,),
+              "layers.0.self_attn.q_proj.weight": (64, 64), "layers.0.self_attn.k_proj.weight": (32, 64),
+              "layers.0.self_attn.v_proj.weight": (32, 64), "layers.0.self_attn.o_proj.weight": (64, 64),
+              "layers.0.self_attn.q_norm.weight": (16,), "layers.0.self_attn.k_norm.weight": (16,),
+              "layers.0.mlp.gate_proj.weight": (96, 64), "layers.0.mlp.up_proj.weight": (96, 64),
+              "layers.0.mlp.down_proj.weight": (64, 96), "embed_tokens.weight": (96, 64)}
+    save_file({k: torch.randn(s, dtype=torch.bfloat16) for k, s in shapes.items()}, str(tmp_path / "m.safetensors"))
+    drafter = DFlashDrafter.from_pretrained(tmp_path)
+    c = drafter.config
+    assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.rope_theta) == (4, 95, [0, 2], 10000.0)
+    assert not hasattr(drafter, "mask_embedding")
+    drafter.attach(target.model)
+    prompt = repetitive_prompt(random.Random(0), 96)
+    ar = generate(target, make_drafter("ar"), prompt, 20).tokens
+    assert generate(target, BlockDrafter(drafter, "ddtree"), prompt, 20, budget=6).tokens == ar
+
+
+def test_a_drafter_that_does_not_fit_is_refused():
+    target = tiny_target("llama")
+    other = tiny_target("llama", vocab_size=80)
+    drafter = tiny_drafter(other)
+    with pytest.raises(DrafterError, match="vocabulary 80 vs the target's 96"):
+        drafter.attach(target.model)
+    config = DFlashConfig.for_target(target.config, num_layers=1, num_taps=2)
+    config.target_layer_ids = [0, 7]
+    with pytest.raises(DrafterError, match="taps layers"):
+        DFlashDrafter(config).attach(target.model)
+
+
+def test_context_cache_equals_a_fresh_context():
+    """Appending accepted positions round by round gives the same K/V as computing the whole context at once."""
+    target = tiny_target("llama")
+    drafter = BlockDrafter(tiny_drafter(target), "dflash")
+    feats = torch.randn(12, 2, 64)
+    for a, b in ((0, 5), (5, 6), (6, 12)):
+        drafter.observe(feats[a:b])
+    whole = drafter.model.context_kv(drafter.model.fuse(feats), torch.arange(12))
+    for (k, v), (k2, v2) in zip(drafter.ctx_kv, whole):
+        torch.testing.assert_close(k, k2)
+        torch.testing.assert_close(v, v2)
+
+
+def test_tree_builders():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.9, 0.05, 0.05]]))
+    assert chain_tree(7, logits, 2).tokens == (7, 0, 0)
+    tree = best_first_tree(7, logits, 4)
+    # best prefixes: [0] .6, [0,0] .3, [1] .3, [0,0,0] .27
+    paths = {tuple(tree.tokens[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
+    assert paths == {(0,), (0, 0), (1,), (0, 0, 0)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_block_drafting_is_lossless(kind, method):
+    target = tiny_target(kind)
+    drafter = BlockDrafter(tiny_drafter(target, seed=1), method)
+    for seed in range(3):
+        prompt = repetitive_prompt(random.Random(seed), 96)
+        ar = generate(target, make_drafter("ar"), prompt, 40).tokens
+        for budget in (1, 5, 16):
+            assert generate(target, drafter, prompt, 40, budget=budget).tokens == ar
