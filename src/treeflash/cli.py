@@ -112,6 +112,31 @@ def build_parser() -> Parser:
     rg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     rg.add_argument("--device", default=None)
     rg.add_argument("--seed", type=int, default=0)
+
+    tr = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True,
+                                                                       parser_class=Parser)
+    td = tr.add_parser("dflash", help="train a DFlash block drafter on regenerated data (torchrun for DDP)")
+    td.add_argument("--data", default="data/regen", help="folder written by `treeflash data regen`")
+    td.add_argument("--out", default="runs/dflash", help="run folder: checkpoint.pt, log.jsonl, drafter/")
+    td.add_argument("--target", default=DEFAULT_TARGET)
+    td.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    td.add_argument("--device", default=None)
+    td.add_argument("--layers", type=_positive_int, default=3, help="drafter decoder layers (3)")
+    td.add_argument("--taps", type=_positive_int, default=5, help="target layers tapped for context (5)")
+    td.add_argument("--intermediate-size", type=_positive_int, default=None, help="MLP width (the target's)")
+    td.add_argument("--block-size", type=_positive_int, default=16)
+    td.add_argument("--steps", type=_positive_int, default=1000)
+    td.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step, all processes")
+    td.add_argument("--lr", type=float, default=6e-4)
+    td.add_argument("--num-anchors", type=_positive_int, default=32, help="blocks per sequence (32)")
+    td.add_argument("--max-len", type=_positive_int, default=512, help="tokens per sequence (512)")
+    td.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
+    td.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
+    td.add_argument("--save-every", type=_positive_int, default=100)
+    td.add_argument("--log-every", type=_positive_int, default=10)
+    td.add_argument("--keep-every", type=int, default=0, help="keep drafter snapshots every N steps (0: no)")
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     return parser
 
 
@@ -252,13 +277,20 @@ def _spread(items: list, n: int) -> list:
     return [items[int(i * step)] for i in range(min(n, len(items)))]
 
 
+def cmd_train(args) -> None:
+    from .train import dflash
+
+    print(json.dumps({"dflash": dflash.run}[args.train_command](args)))
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         args = build_parser().parse_args(argv)
         _quiet_libraries()
         {"generate": cmd_generate, "bench": cmd_bench, "overhead": cmd_overhead,
-         "gdn-bench": cmd_gdn_bench, "data": cmd_data}[args.command](args)
+         "gdn-bench": cmd_gdn_bench, "data": cmd_data,
+         "train": cmd_train}[args.command](args)
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)
         return 130

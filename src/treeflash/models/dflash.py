@@ -246,6 +246,12 @@ class DFlashDrafter(nn.Module):
             h = layer(h, positions, k, v, mask)
         return self.norm(h)
 
+    def forward(self, first_tokens: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """Training: final states [N γ, H] of N blocks over a context of taps [S, n_taps, H] at 0..S-1."""
+        ctx_kv = self.context_kv(self.fuse(taps), torch.arange(len(taps), device=taps.device))
+        return self.hidden(self.block_inputs(first_tokens), positions, ctx_kv, mask)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h.to(self.lm_head.weight.dtype))
 

@@ -1,0 +1,127 @@
+"""`treeflash train dflash`: the DFlash block drafter on self-distilled data (DESIGN section 2).
+
+Per sequence: one no-grad target forward gives the tapped hidden states (context features) and the target's
+distribution at every position. Random anchors a in the answer each make a block [x_a, mask x (γ-1)] at
+positions a..a+γ-1 that sees the context strictly before a and its own block, never another block; position k
+learns the target's distribution of x_{a+k} by forward KL, weighted by exp(-(k-1)/7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.dflash import DFlashDrafter
+from .losses import forward_kl, position_weights
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # [S] prompt + answer
+    prompt_len: int
+
+
+@dataclass
+class TargetView:
+    taps: torch.Tensor  # [S, n_taps, H]
+    logp: torch.Tensor  # [S, V] fp32: the target's log-distribution of the token after each position
+
+
+def sequences(rows: list[dict], max_len: int, block_size: int) -> list[Sequence]:
+    """Regenerated rows as training sequences, cut to max_len; rows without room for one block are dropped."""
+    out = []
+    for r in rows:
+        ids = (r["prompt_ids"] + r["response_ids"])[:max_len]
+        if len(ids) - len(r["prompt_ids"]) >= 2:
+            out.append(Sequence(torch.tensor(ids), len(r["prompt_ids"])))
+    return out
+
+
+@torch.no_grad()
+def target_view(target_model, tokens: torch.Tensor, taps: list[int]) -> TargetView:
+    out = target_model(tokens[None].to(target_model.device), output_hidden_states=True)
+    feats = torch.stack([out.hidden_states[i + 1][0] for i in taps], dim=1)
+    return TargetView(feats, torch.log_softmax(out.logits[0].float(), dim=-1))
+
+
+def sample_anchors(seq: Sequence, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to n distinct anchors in the answer: positions prompt_len .. S-2 (each predicts at least one token)."""
+    first, last = seq.prompt_len, len(seq.tokens) - 2
+    count = last - first + 1
+    pick = torch.randperm(count, generator=gen)[: min(n, count)]
+    return (first + pick).sort().values
+
+
+def block_mask(anchors: torch.Tensor, context: int, block_size: int) -> torch.Tensor:
+    """[N γ, S + N γ] bool: a block sees context positions before its anchor, and its own block."""
+    block = torch.arange(len(anchors)).repeat_interleave(block_size)
+    sees_context = torch.arange(context)[None, :] < anchors[block][:, None]
+    return torch.cat([sees_context, block[:, None] == block[None, :]], dim=1)
+
+
+def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors: torch.Tensor,
+                kl_topk: int = 0, decay: float = 7.0) -> tuple[torch.Tensor, dict]:
+    """Weighted forward KL over all anchors' blocks of one sequence, and accuracy stats.
+
+    `model` is the DFlashDrafter, or DistributedDataParallel around it (its forward must be the call)."""
+    drafter: DFlashDrafter = getattr(model, "module", model)
+    g, S, device = drafter.config.block_size, len(seq.tokens), view.taps.device
+    anchors = anchors.to(device)
+    positions = (anchors[:, None] + torch.arange(g, device=device)).flatten()
+    mask = block_mask(anchors.cpu(), S, g).to(device)
+    h = model(seq.tokens.to(device)[anchors], positions, view.taps, mask)
+    h = h.unflatten(0, (len(anchors), g))[:, 1:]  # [N, γ-1, H]
+    predicted = anchors[:, None] + torch.arange(1, g, device=device)  # positions of the drafted tokens
+    valid = predicted < S
+    logits = drafter.logits(h[valid])
+    target_logp = view.logp[predicted[valid] - 1]  # the target's distribution of x_t sits at position t - 1
+    weights = position_weights(g, decay).to(device)[None].expand_as(predicted)[valid]
+    kl = forward_kl(target_logp, logits, kl_topk)
+    loss = (weights * kl).sum() / weights.sum()
+    hit = (logits.argmax(-1) == target_logp.argmax(-1)).float()
+    depth = torch.arange(1, g, device=device)[None].expand_as(predicted)[valid]
+    return loss, {"loss": loss.item(), "kl": kl.mean().item(), "acc": hit.mean().item(),
+                  "acc_k1": hit[depth == 1].mean().item(), "tokens": int(valid.sum())}
+
+
+def run(args) -> dict:
+    """The `treeflash train dflash` command (see cli.py for the arguments)."""
+    import json
+    from pathlib import Path
+
+    from ..models.dflash import DFlashConfig
+    from ..target import Target
+    from .data import load_regen
+    from .trainer import TrainConfig, init_distributed, train
+
+    rank, world = init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
+    elif world > 1:
+        torch.set_num_threads(max(1, (__import__("os").cpu_count() or 2) // world))
+    target = Target.load(args.target, dtype=args.target_dtype, device=args.device)
+    target.model.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    config = DFlashConfig.for_target(target.config, num_layers=args.layers, num_taps=args.taps,
+                                     block_size=args.block_size, intermediate_size=args.intermediate_size)
+    drafter = DFlashDrafter(config).attach(target.model).to(target.device)
+    data = sequences(load_regen(Path(args.data)), args.max_len, args.block_size)
+    taps = config.target_layer_ids
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+
+    def loss_fn(model, seq, gen):
+        view = target_view(target.model, seq.tokens, taps)
+        with autocast:
+            return dflash_loss(model, seq, view, sample_anchors(seq, args.num_anchors, gen), args.kl_topk)
+
+    cfg = TrainConfig(out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                      save_every=args.save_every, log_every=args.log_every, keep_every=args.keep_every,
+                      seed=args.seed)
+    if rank == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "train_args.json").write_text(json.dumps(
+            {**vars(args), "world_size": world, "num_sequences": len(data),
+             "drafter_parameters": sum(p.numel() for p in drafter.parameters())}, indent=2, default=str))
+    return train(drafter, list(drafter.parameters()), data, loss_fn, cfg, drafter.save_pretrained,
+                 resume=not args.no_resume)

@@ -1,0 +1,130 @@
+"""A small training loop shared by the drafter trainers: AdamW, warm-up + cosine, clipping, DDP, exact resume.
+
+Run it directly or under `torchrun --nproc_per_node N` (gloo on CPU, nccl on GPU): every process reads its own
+share of the samples, and gradients are averaged by DistributedDataParallel. The sample order is a pure function
+of (seed, step), so a resumed run sees exactly the samples, anchors and learning rates it would have seen.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from .losses import cosine_lr
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    steps: int = 1000
+    batch_size: int = 4  # sequences per optimizer step, over all processes
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    save_every: int = 100
+    log_every: int = 10
+    keep_every: int = 0  # also keep a drafter snapshot every this many steps (0: never), for learning curves
+    seed: int = 0
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size); starts the process group when launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank() if world > 1 else 0), world
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(seed: int, epoch: int, n: int) -> list[int]:
+    """The sample order of one epoch."""
+    order = list(range(n))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    return order
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # a crash mid-save never leaves a broken checkpoint
+
+
+def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: list,
+          loss_fn: Callable[[torch.nn.Module, object, torch.Generator], tuple[torch.Tensor, dict]],
+          cfg: TrainConfig, save_model: Callable[[Path], None], resume: bool = True) -> dict:
+    """Optimise `trainable` params of `model` on `samples`; `loss_fn(model, sample, generator)` -> (loss, stats)."""
+    rank, world = init_distributed()
+    out = Path(cfg.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if cfg.batch_size % world:
+        raise ValueError(f"batch size {cfg.batch_size} must be a multiple of the {world} processes")
+    per_rank = cfg.batch_size // world
+    wrapped = DistributedDataParallel(model) if world > 1 else model
+    optim = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+    step, ckpt = 0, out / "checkpoint.pt"
+    if resume and ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=False)
+        optim.load_state_dict(state["optim"])
+        step = state["step"]
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
+    log = open(out / "log.jsonl", "a") if rank == 0 else None
+    started, tokens, window = time.time(), 0, []
+    while step < cfg.steps:
+        lr = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup)
+        for group in optim.param_groups:
+            group["lr"] = lr
+        optim.zero_grad(set_to_none=True)
+        stats_sum: dict[str, float] = {}
+        for micro in range(per_rank):
+            slot = step * cfg.batch_size + micro * world + rank
+            epoch, i = divmod(slot, len(samples))
+            sample = samples[_permutation(cfg.seed, epoch, len(samples))[i]]
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + slot)  # anchors etc.: exact on resume
+            sync = micro == per_rank - 1 or world == 1
+            ctx = wrapped.no_sync() if not sync else nullcontext()  # DDP: reduce once per step
+            with ctx:
+                loss, stats = loss_fn(wrapped, sample, gen)
+                (loss / per_rank).backward()
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v) / per_rank
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
+        optim.step()
+        step += 1
+        tokens += int(stats_sum.get("tokens", 0) * per_rank * world)
+        window.append(stats_sum)
+        if rank == 0:
+            bar.update()
+            bar.set_postfix(loss=f"{stats_sum.get('loss', 0):.3f}", acc=f"{stats_sum.get('acc', 0):.3f}")
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                mean = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
+                log.write(json.dumps({"step": step, "lr": lr, "grad_norm": float(grad_norm), **mean,
+                                      "elapsed_s": time.time() - started,
+                                      "tokens_per_second": tokens / (time.time() - started)}) + "\n")
+                log.flush()
+                window = []
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                atomic_save({"model": {k: v for k, v in model.state_dict().items()},
+                             "optim": optim.state_dict(), "step": step, "config": asdict(cfg)}, ckpt)
+                save_model(out / "drafter")
+            if cfg.keep_every and step % cfg.keep_every == 0:
+                save_model(out / f"drafter-step{step:06d}")
+    bar.close()
+    if log:
+        log.close()
+    return {"steps": step, "seconds": time.time() - started, "tokens": tokens}

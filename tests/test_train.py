@@ -1,0 +1,127 @@
+"""Training: losses, the block mask, that a few steps learn, exact resume, a 2-process torchrun run, regen."""
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+import torch
+
+from treeflash.cli import main
+from treeflash.train.dflash import Sequence, block_mask, dflash_loss, sample_anchors, target_view
+from treeflash.train.losses import cosine_lr, forward_kl, position_weights
+
+from conftest import tiny_target
+from test_cli import tiny_folder  # noqa: F401  (fixture)
+from test_dflash import tiny_drafter
+
+
+def test_forward_kl():
+    p = torch.log_softmax(torch.randn(3, 10), -1)
+    q = torch.randn(3, 10)
+    manual = (p.exp() * (p - torch.log_softmax(q, -1))).sum(-1)
+    torch.testing.assert_close(forward_kl(p, q), manual)
+    torch.testing.assert_close(forward_kl(p, q, topk=10), manual, atol=1e-5, rtol=0)
+    assert (forward_kl(p, q, topk=3) >= -1e-6).all()
+    assert forward_kl(p, p.clone()).abs().max() < 1e-6
+
+
+def test_schedule_and_weights():
+    w = position_weights(16)
+    assert w[0] == 1 and len(w) == 15 and torch.isclose(w[7], torch.exp(torch.tensor(-1.0)))
+    lrs = [cosine_lr(s, 100, 1.0) for s in range(100)]
+    assert lrs[0] < lrs[3] == max(lrs) and lrs[-1] < 0.01
+
+
+def test_block_mask():
+    mask = block_mask(torch.tensor([2, 5]), context=7, block_size=3)
+    assert mask.shape == (6, 13)
+    assert mask[0, :7].tolist() == [True, True, False, False, False, False, False]  # context before anchor 2
+    assert mask[3, :7].tolist() == [True] * 5 + [False] * 2
+    assert mask[0, 7:].tolist() == [True] * 3 + [False] * 3  # own block, never the other
+    assert mask[4, 7:].tolist() == [False] * 3 + [True] * 3
+
+
+def test_anchors_stay_in_the_answer():
+    seq = Sequence(torch.arange(30), prompt_len=10)
+    anchors = sample_anchors(seq, 50, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == list(range(10, 29))
+
+
+def test_a_few_steps_learn():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    seq = Sequence(torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0)), prompt_len=5)
+    view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
+    anchors = sample_anchors(seq, 16, torch.Generator().manual_seed(0))
+    optim = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        loss, stats = dflash_loss(drafter, seq, view, anchors)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        first = first or stats["loss"]
+    assert stats["loss"] < 0.5 * first
+
+
+def write_regen(folder, n=6, length=40):
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"id": f"t/{i}", "prompt_ids": torch.randint(0, 90, (6,), generator=g).tolist(),
+             "response_ids": torch.randint(0, 90, (length,), generator=g).tolist()} for i in range(n)]
+    (folder / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def train_args(tmp_path, target, out, steps):
+    return ["train", "dflash", "--target", target, "--data", str(tmp_path / "regen"), "--out", str(out),
+            "--steps", str(steps), "--batch-size", "2", "--layers", "1", "--taps", "2", "--block-size", "4",
+            "--num-anchors", "4", "--save-every", "2", "--log-every", "1", "--target-dtype", "float32"]
+
+
+def test_resume_is_exact(tmp_path, tiny_folder):  # noqa: F811
+    write_regen(tmp_path / "regen")
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "straight", 4)) == 0
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "resumed", 2)) == 0
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "resumed", 4)) == 0  # picks up at step 2
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)
+    assert a["step"] == b["step"] == 4
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], atol=0, rtol=0)
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "resumed" / "log.jsonl")]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_torchrun_two_processes(tmp_path, tiny_folder):  # noqa: F811
+    write_regen(tmp_path / "regen")
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           "-m", "treeflash.cli", *train_args(tmp_path, tiny_folder, out, 2)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "train_args.json").read_text())["world_size"] == 2
+    assert (out / "drafter" / "model.safetensors").exists()
+    assert len(open(out / "log.jsonl").readlines()) == 2
+
+
+def test_regen_is_batched_and_resumable(tmp_path, tiny_folder):  # noqa: F811
+    data = tmp_path / "data"
+    (data / "gsm8k").mkdir(parents=True)
+    (data / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n"
+                                                        for i in range(5)))
+    args = ["data", "regen", "--target", tiny_folder, "--data-dir", str(data), "--sources", "gsm8k",
+            "--out", str(tmp_path / "regen"), "--batch-size", "2", "--max-new-tokens", "5", "--dtype", "float32"]
+    assert main(args) == 0
+    rows = [json.loads(line) for f in sorted((tmp_path / "regen").glob("shard-*.jsonl")) for line in open(f)]
+    assert len(rows) == 5 and len({r["id"] for r in rows}) == 5
+    assert len(list((tmp_path / "regen").glob("shard-*.jsonl"))) == 3  # batches of 2
+    assert all(1 <= len(r["response_ids"]) <= 5 for r in rows)
+    assert main(args) == 0  # nothing left to do
+    assert len(list((tmp_path / "regen").glob("shard-*.jsonl"))) == 3
+
+
+def test_regen_refuses_a_missing_prompt_set(tmp_path, capsys):
+    assert main(["data", "regen", "--data-dir", str(tmp_path), "--sources", "gsm8k"]) == 2
+    assert "no such file" in capsys.readouterr().err
