@@ -45,6 +45,8 @@ class DFlashConfig:
     mask_token_id: int | None = None  # None: a learned mask embedding (the target has no mask token)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
+    # TreeFlash: {"kind": "swiglu"|"linear", "prev_tokens": 1|2, "intermediate_size": I}; None for plain DFlash
+    ar_layer: dict | None = None
     extra: dict = field(default_factory=dict)  # unknown fields of a published config, kept on save
 
     @classmethod
@@ -69,6 +71,9 @@ class DFlashConfig:
         d["dflash_config"] = {"block_size": d["block_size"], "mask_token_id": d.pop("mask_token_id"),
                               "target_layer_ids": d.pop("target_layer_ids")}
         d["rope_parameters"] = {"rope_theta": d.pop("rope_theta"), "rope_type": "default"}
+        ar = d.pop("ar_layer")
+        if ar:
+            d["treeflash_config"] = {"ar_approximation": ar}
         return {**extra, "architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d}
 
     @classmethod
@@ -82,7 +87,8 @@ class DFlashConfig:
             if n_target is None:
                 raise DrafterError("drafter config has neither target_layer_ids nor num_target_layers")
             layer_ids = tap_layers(n_target, d.get("num_hidden_layers", 5))
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        ar = (d.pop("treeflash_config", None) or {}).get("ar_approximation")
+        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "ar_layer")}
         kwargs = {k: d.pop(k) for k in list(d) if k in known}
         kwargs.update(
             target_layer_ids=list(layer_ids),
@@ -92,7 +98,7 @@ class DFlashConfig:
         )
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
         kwargs.setdefault("num_target_layers", max(layer_ids) + 1)
-        return cls(**kwargs, extra=d)
+        return cls(**kwargs, ar_layer=ar if isinstance(ar, dict) else None, extra=d)
 
 
 class RMSNorm(nn.Module):
@@ -187,6 +193,20 @@ class DFlashDrafter(nn.Module):
             self.mask_embedding = nn.Parameter(0.02 * torch.randn(c.hidden_size))
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered as submodules
         self.apply(self._init)
+        self.ar_layer = None
+        if c.ar_layer:
+            self.add_ar_layer(**c.ar_layer)
+
+    def add_ar_layer(self, kind: str = "swiglu", prev_tokens: int = 1, intermediate_size: int | None = None):
+        """Turn this DFlash drafter into a TreeFlash drafter (a fresh AR layer is the identity)."""
+        from .ar_layer import ARApproximation
+
+        c = self.config
+        c.ar_layer = {"kind": kind, "prev_tokens": prev_tokens,
+                      "intermediate_size": intermediate_size or c.intermediate_size}
+        self.ar_layer = ARApproximation(c.hidden_size, c.ar_layer["intermediate_size"], kind, prev_tokens,
+                                        c.rms_norm_eps).to(self.fc.weight.device, self.fc.weight.dtype)
+        return self
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -241,19 +261,27 @@ class DFlashDrafter(nn.Module):
         return torch.cat([first, masks], dim=1).flatten(0, 1)
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
+        """Final block states, before the final norm (where TreeFlash's AR layer acts)."""
         h = x.to(self.fc.weight.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             h = layer(h, positions, k, v, mask)
-        return self.norm(h)
+        return h
 
     def forward(self, first_tokens: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """Training: final states [N γ, H] of N blocks over a context of taps [S, n_taps, H] at 0..S-1."""
+                mask: torch.Tensor | None, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: pre-norm states [N, γ-1, H] of the drafted positions of N blocks over a context of taps
+        [S, n_taps, H] at positions 0..S-1. With an AR layer, `prev_tokens` [N, γ-1, p] are the (teacher-forced)
+        previous tokens of each drafted position, oldest first."""
         ctx_kv = self.context_kv(self.fuse(taps), torch.arange(len(taps), device=taps.device))
-        return self.hidden(self.block_inputs(first_tokens), positions, ctx_kv, mask)
+        h = self.hidden(self.block_inputs(first_tokens), positions, ctx_kv, mask)
+        h = h.unflatten(0, (len(first_tokens), self.config.block_size))[:, 1:]
+        if self.ar_layer is not None and prev_tokens is not None:
+            h = self.ar_layer(h, self.embed(prev_tokens).to(h.dtype))
+        return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h.to(self.lm_head.weight.dtype))
+        """Final norm, then the target's LM head."""
+        return self.lm_head(self.norm(h).to(self.lm_head.weight.dtype))
 
     @torch.no_grad()
     def draft_logits(self, root: int, position: int, ctx_kv) -> torch.Tensor:

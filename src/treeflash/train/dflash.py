@@ -70,9 +70,13 @@ def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors
     anchors = anchors.to(device)
     positions = (anchors[:, None] + torch.arange(g, device=device)).flatten()
     mask = block_mask(anchors.cpu(), S, g).to(device)
-    h = model(seq.tokens.to(device)[anchors], positions, view.taps, mask)
-    h = h.unflatten(0, (len(anchors), g))[:, 1:]  # [N, γ-1, H]
+    tokens = seq.tokens.to(device)
     predicted = anchors[:, None] + torch.arange(1, g, device=device)  # positions of the drafted tokens
+    prev = None
+    if drafter.ar_layer is not None:  # TreeFlash: teacher forcing, the true previous token(s)
+        back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1, device=device)
+        prev = tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
+    h = model(tokens[anchors], positions, view.taps, mask, prev)  # [N, γ-1, H]
     valid = predicted < S
     logits = drafter.logits(h[valid])
     target_logp = view.logp[predicted[valid] - 1]  # the target's distribution of x_t sits at position t - 1
