@@ -125,3 +125,19 @@ def test_regen_is_batched_and_resumable(tmp_path, tiny_folder):  # noqa: F811
 def test_regen_refuses_a_missing_prompt_set(tmp_path, capsys):
     assert main(["data", "regen", "--data-dir", str(tmp_path), "--sources", "gsm8k"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa: F811
+    write_regen(tmp_path / "regen")
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "backbone", 2)) == 0
+    backbone = tmp_path / "backbone" / "drafter"
+    args = ["train", "treeflash", "--backbone", str(backbone), "--freeze-backbone", "--target", tiny_folder,
+            "--data", str(tmp_path / "regen"), "--out", str(tmp_path / "tf"), "--steps", "3", "--batch-size", "2",
+            "--num-anchors", "4", "--lr", "1e-2", "--target-dtype", "float32"]
+    assert main(args) == 0
+    from treeflash.models.dflash import DFlashDrafter
+
+    before, after = DFlashDrafter.from_pretrained(backbone), DFlashDrafter.from_pretrained(tmp_path / "tf" / "drafter")
+    assert after.ar_layer is not None and after.ar_layer.out_proj.weight.abs().sum() > 0
+    for (name, a), b in zip(before.state_dict().items(), (after.state_dict()[k] for k in before.state_dict())):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"frozen backbone changed: {name}")

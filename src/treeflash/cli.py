@@ -116,27 +116,34 @@ def build_parser() -> Parser:
     tr = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True,
                                                                        parser_class=Parser)
     td = tr.add_parser("dflash", help="train a DFlash block drafter on regenerated data (torchrun for DDP)")
-    td.add_argument("--data", default="data/regen", help="folder written by `treeflash data regen`")
-    td.add_argument("--out", default="runs/dflash", help="run folder: checkpoint.pt, log.jsonl, drafter/")
-    td.add_argument("--target", default=DEFAULT_TARGET)
-    td.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    td.add_argument("--device", default=None)
     td.add_argument("--layers", type=_positive_int, default=3, help="drafter decoder layers (3)")
     td.add_argument("--taps", type=_positive_int, default=5, help="target layers tapped for context (5)")
     td.add_argument("--intermediate-size", type=_positive_int, default=None, help="MLP width (the target's)")
     td.add_argument("--block-size", type=_positive_int, default=16)
-    td.add_argument("--steps", type=_positive_int, default=1000)
-    td.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step, all processes")
-    td.add_argument("--lr", type=float, default=6e-4)
-    td.add_argument("--num-anchors", type=_positive_int, default=32, help="blocks per sequence (32)")
-    td.add_argument("--max-len", type=_positive_int, default=512, help="tokens per sequence (512)")
-    td.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
-    td.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
-    td.add_argument("--save-every", type=_positive_int, default=100)
-    td.add_argument("--log-every", type=_positive_int, default=10)
-    td.add_argument("--keep-every", type=int, default=0, help="keep drafter snapshots every N steps (0: no)")
-    td.add_argument("--seed", type=int, default=0)
-    td.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
+    tt = tr.add_parser("treeflash", help="train TreeFlash's AR layer on a DFlash backbone (torchrun for DDP)")
+    tt.add_argument("--backbone", required=True, help="DFlash drafter folder to start from")
+    tt.add_argument("--freeze-backbone", action="store_true", help="train the AR layer only")
+    tt.add_argument("--ar-kind", default="swiglu", choices=["swiglu", "linear"])
+    tt.add_argument("--prev-tokens", type=int, default=1, choices=[1, 2], help="previous tokens conditioned on")
+    tt.add_argument("--ar-intermediate-size", type=_positive_int, default=None, help="SwiGLU width (the MLP's)")
+    for t, out in ((td, "runs/dflash"), (tt, "runs/treeflash")):
+        t.add_argument("--data", default="data/regen", help="folder written by `treeflash data regen`")
+        t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, drafter/ ({out})")
+        t.add_argument("--target", default=DEFAULT_TARGET)
+        t.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+        t.add_argument("--device", default=None)
+        t.add_argument("--steps", type=_positive_int, default=1000)
+        t.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step, all processes")
+        t.add_argument("--lr", type=float, default=6e-4)
+        t.add_argument("--num-anchors", type=_positive_int, default=32, help="blocks per sequence (32)")
+        t.add_argument("--max-len", type=_positive_int, default=512, help="tokens per sequence (512)")
+        t.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
+        t.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 (default: bf16 autocast)")
+        t.add_argument("--save-every", type=_positive_int, default=100)
+        t.add_argument("--log-every", type=_positive_int, default=10)
+        t.add_argument("--keep-every", type=int, default=0, help="keep drafter snapshots every N steps (0: no)")
+        t.add_argument("--seed", type=int, default=0)
+        t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     return parser
 
 
@@ -280,7 +287,7 @@ def _spread(items: list, n: int) -> list:
 def cmd_train(args) -> None:
     from .train import dflash
 
-    print(json.dumps({"dflash": dflash.run}[args.train_command](args)))
+    print(json.dumps(dflash.run(args)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from .base import Drafter
 from .dflash import BlockDrafter, load_block_drafter
 from .pld import PromptLookupDrafter
 
-METHODS = ("ar", "pld", "dflash", "ddtree")
+METHODS = ("ar", "pld", "dflash", "ddtree", "treeflash")
 
 
 def make_drafter(name: str, target=None, drafter_path: str | None = None) -> Drafter:
@@ -17,7 +17,7 @@ def make_drafter(name: str, target=None, drafter_path: str | None = None) -> Dra
         return AutoregressiveDrafter()
     if name == "pld":
         return PromptLookupDrafter()
-    if name in ("dflash", "ddtree"):
+    if name in ("dflash", "ddtree", "treeflash"):
         return load_block_drafter(name, target, drafter_path)
     raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 

@@ -1,4 +1,9 @@
-"""DFlash block drafting: one drafter forward per round, then a chain (`dflash`) or a DDTree (`ddtree`).
+"""Block drafting: one drafter forward per round, then a tree from its states.
+
+- `dflash`: the chain of the marginals' argmaxes;
+- `ddtree`: DDTree, the best-first tree over the marginals;
+- `treeflash`: the two-stage TreeFlash tree (top-M candidates per depth, the AR layer on all M x depth
+  (depth, previous token) pairs in one batched call, OPT-Tree over the conditional tables).
 
 The drafter keeps the injected context K/V of every committed position across rounds and appends only the
 positions accepted since the previous round.
@@ -10,26 +15,71 @@ from pathlib import Path
 
 import torch
 
-from ..models.dflash import DFlashDrafter
+from ..models.dflash import DFlashDrafter, DrafterError
 from ..tree import DraftTree
-from ..trees import best_first_tree, chain_tree
+from ..trees import best_first_tree, chain_tree, opt_tree
 
-# drafters that ship with treeflash, by target name
+# drafters that ship with treeflash, by target name and kind
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
-SHIPPED = {"smollm2-135m-instruct": CHECKPOINTS / "smollm2-135m-instruct-dflash"}
-BUILDERS = {"dflash": chain_tree, "ddtree": best_first_tree}
+SHIPPED = {("smollm2-135m-instruct", "dflash"): CHECKPOINTS / "smollm2-135m-instruct-dflash",
+           ("smollm2-135m-instruct", "treeflash"): CHECKPOINTS / "smollm2-135m-instruct-treeflash"}
 
 
-def default_drafter_path(target_name: str) -> Path:
-    if target_name not in SHIPPED or not (SHIPPED[target_name] / "config.json").exists():
-        raise FileNotFoundError(f"no shipped DFlash drafter for target {target_name!r}: pass --drafter PATH "
-                                f"(a folder written by `treeflash train dflash` or a published DFlash checkpoint)")
-    return SHIPPED[target_name]
+def default_drafter_path(target_name: str, kind: str) -> Path:
+    path = SHIPPED.get((target_name, kind))
+    if path is None or not (path / "config.json").exists():
+        raise FileNotFoundError(f"no shipped {kind} drafter for target {target_name!r}: pass --drafter PATH "
+                                f"(a folder written by `treeflash train {kind}`)")
+    return path
+
+
+def marginal_tree(method: str):
+    build = {"dflash": chain_tree, "ddtree": best_first_tree}[method]
+    return lambda model, tokens, h, budget: build(tokens[-1], model.logits(h).float(), budget)
+
+
+@torch.no_grad()
+def conditional_tables(model: DFlashDrafter, tokens: list[int], h: torch.Tensor, top_m: int):
+    """TreeFlash stage 1 and 2: candidates [D, M] and conditionals [D, M, M] from pre-norm states h [D, H] of
+    the block after the root tokens[-1].
+
+    The AR layer runs once on all D x M (depth, previous candidate) pairs, whatever the budget. The
+    conditional of candidate i at depth d given candidate j before it is the softmax over the M candidates of
+    the AR-conditioned logits, scaled by the marginal mass the M candidates hold at depth d (only M LM-head rows
+    per depth are computed, never the full vocabulary per pair).
+    """
+    D, M = h.shape[0], top_m
+    probs, cand = torch.softmax(model.logits(h).float(), dim=-1).topk(M, dim=-1)  # [D, M]
+    prev = torch.cat([torch.full((1, M), tokens[-1], device=cand.device), cand[:-1]])  # [D, M] previous tokens
+    p = model.ar_layer.prev_tokens
+    if p > 1:  # older tokens: known ones from the context, then the most likely candidate of each depth
+        known = torch.tensor(tokens[-p:], device=cand.device)
+        line = torch.cat([known, cand[:, 0]])  # line[p - 1 + d] is the token at depth d (depth 0: the root)
+        older = torch.stack([line[d: d + p - 1] for d in range(D)])  # [D, p-1]
+        prev = torch.cat([older[:, None, :].expand(D, M, p - 1), prev[:, :, None]], dim=-1)
+    else:
+        prev = prev[:, :, None]
+    embed = model.embed(prev).to(h.dtype)  # [D, M, p, H]
+    states = model.ar_layer(h[:, None, :].expand(D, M, -1), embed)  # [D, M, H]: one batched call
+    rows = model.lm_head.weight[cand]  # [D, M, H]: the candidates' LM-head rows
+    logits = torch.einsum("djh,dih->dji", model.norm(states).to(rows.dtype), rows).float()
+    return cand, torch.softmax(logits, dim=-1) * probs.sum(-1)[:, None, None]
+
+
+def treeflash_tree(top_m: int = 16):
+    def build(model, tokens, h, budget) -> DraftTree:
+        cand, cond = conditional_tables(model, tokens, h, top_m)
+        return opt_tree(tokens[-1], cand, cond, budget)
+    return build
 
 
 class BlockDrafter:
-    def __init__(self, model: DFlashDrafter, method: str = "ddtree"):
-        self.model, self.name, self.build = model.eval(), method, BUILDERS[method]
+    def __init__(self, model: DFlashDrafter, method: str = "ddtree", top_m: int = 16):
+        if method == "treeflash" and model.ar_layer is None:
+            raise DrafterError("method treeflash needs a TreeFlash drafter (with an AR layer): "
+                               "train one with `treeflash train treeflash`")
+        self.model, self.name = model.eval(), method
+        self.build = treeflash_tree(top_m) if method == "treeflash" else marginal_tree(method)
         self.taps = tuple(model.config.target_layer_ids)
         self.reset()
 
@@ -50,10 +100,11 @@ class BlockDrafter:
         if features is not None and len(features):
             self.observe(features)
         assert self.ctx_len == len(tokens) - 1, "the drafter's context must cover every committed position"
-        logits = self.model.draft_logits(tokens[-1], self.ctx_len, self.ctx_kv)
-        return self.build(tokens[-1], logits, budget)
+        h = self.model.draft_states(tokens[-1], self.ctx_len, self.ctx_kv)
+        return self.build(self.model, tokens, h, budget)
 
 
 def load_block_drafter(method: str, target, path: str | Path | None = None) -> BlockDrafter:
-    model = DFlashDrafter.from_pretrained(path or default_drafter_path(target.name), dtype=target.model.dtype)
+    kind = "treeflash" if method == "treeflash" else "dflash"
+    model = DFlashDrafter.from_pretrained(path or default_drafter_path(target.name, kind), dtype=target.model.dtype)
     return BlockDrafter(model.attach(target.model).to(target.device), method)

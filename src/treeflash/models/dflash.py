@@ -284,12 +284,18 @@ class DFlashDrafter(nn.Module):
         return self.lm_head(self.norm(h).to(self.lm_head.weight.dtype))
 
     @torch.no_grad()
-    def draft_logits(self, root: int, position: int, ctx_kv) -> torch.Tensor:
-        """Inference: logits [γ - 1, V] of the block after `root` at `position`, given the cached context K/V."""
+    def draft_states(self, root: int, position: int, ctx_kv) -> torch.Tensor:
+        """Inference: pre-norm states [γ - 1, H] of the drafted positions of the block after `root` (at
+        `position`), given the cached context K/V."""
         device = self.fc.weight.device
         x = self.block_inputs(torch.tensor([root], device=device))
         positions = position + torch.arange(self.config.block_size, device=device)
-        return self.logits(self.hidden(x, positions, ctx_kv, None)[1:]).float()
+        return self.hidden(x, positions, ctx_kv, None)[1:]
+
+    @torch.no_grad()
+    def draft_logits(self, root: int, position: int, ctx_kv) -> torch.Tensor:
+        """The DFlash marginals: logits [γ - 1, V] of the drafted positions."""
+        return self.logits(self.draft_states(root, position, ctx_kv)).float()
 
     # ---- save / load -------------------------------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -90,7 +90,10 @@ def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors
 
 
 def run(args) -> dict:
-    """The `treeflash train dflash` command (see cli.py for the arguments)."""
+    """`treeflash train dflash` and `treeflash train treeflash` (see cli.py for the arguments).
+
+    TreeFlash starts from a trained DFlash backbone (--backbone), adds a zero-initialised AR layer and trains it,
+    alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing."""
     import json
     from pathlib import Path
 
@@ -107,10 +110,21 @@ def run(args) -> dict:
     target = Target.load(args.target, dtype=args.target_dtype, device=args.device)
     target.model.requires_grad_(False)
     torch.manual_seed(args.seed)
-    config = DFlashConfig.for_target(target.config, num_layers=args.layers, num_taps=args.taps,
-                                     block_size=args.block_size, intermediate_size=args.intermediate_size)
-    drafter = DFlashDrafter(config).attach(target.model).to(target.device)
-    data = sequences(load_regen(Path(args.data)), args.max_len, args.block_size)
+    if args.train_command == "treeflash":
+        drafter = DFlashDrafter.from_pretrained(args.backbone).attach(target.model).to(target.device)
+        if drafter.ar_layer is None:
+            drafter.add_ar_layer(args.ar_kind, args.prev_tokens, args.ar_intermediate_size)
+        trainable = list((drafter.ar_layer if args.freeze_backbone else drafter).parameters())
+    else:
+        config = DFlashConfig.for_target(target.config, num_layers=args.layers, num_taps=args.taps,
+                                         block_size=args.block_size, intermediate_size=args.intermediate_size)
+        drafter = DFlashDrafter(config).attach(target.model).to(target.device)
+        trainable = list(drafter.parameters())
+    drafter.requires_grad_(False)
+    for param in trainable:
+        param.requires_grad_(True)
+    config = drafter.config
+    data = sequences(load_regen(Path(args.data)), args.max_len, config.block_size)
     taps = config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
@@ -127,5 +141,5 @@ def run(args) -> dict:
         (Path(args.out) / "train_args.json").write_text(json.dumps(
             {**vars(args), "world_size": world, "num_sequences": len(data),
              "drafter_parameters": sum(p.numel() for p in drafter.parameters())}, indent=2, default=str))
-    return train(drafter, list(drafter.parameters()), data, loss_fn, cfg, drafter.save_pretrained,
+    return train(drafter, trainable, data, loss_fn, cfg, drafter.save_pretrained,
                  resume=not args.no_resume)

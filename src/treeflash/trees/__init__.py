@@ -1,5 +1,6 @@
 """Tree builders: from a drafter's per-depth scores to a DraftTree under a budget."""
 
 from .marginal import best_first_tree, chain_tree
+from .opt_tree import opt_tree, tree_value
 
-__all__ = ["best_first_tree", "chain_tree"]
+__all__ = ["best_first_tree", "chain_tree", "opt_tree", "tree_value"]

@@ -1,12 +1,11 @@
-"""Trees from per-depth marginals: the DFlash chain and DDTree's best-first heap (DESIGN section 3)."""
+"""Trees from per-depth marginals: the DFlash chain and DDTree's best-first tree (DESIGN section 3)."""
 
 from __future__ import annotations
-
-import heapq
 
 import torch
 
 from ..tree import DraftTree
+from .opt_tree import opt_tree
 
 
 def chain_tree(root: int, logits: torch.Tensor, budget: int) -> DraftTree:
@@ -15,25 +14,7 @@ def chain_tree(root: int, logits: torch.Tensor, budget: int) -> DraftTree:
 
 
 def best_first_tree(root: int, logits: torch.Tensor, budget: int) -> DraftTree:
-    """The `budget` highest-scoring prefixes, a prefix scoring the sum of its tokens' log-probs.
-
-    Heap over (depth, rank) prefixes: each pop adds a node and pushes its next sibling (same depth, rank + 1) and
-    its first child (depth + 1, rank 0). Scores never increase along a path or across siblings, so the pops are
-    the best prefixes and always form a tree. logits [depth, V].
-    """
-    depth = logits.shape[0]
-    k = min(budget, logits.shape[-1])
-    logp, tokens = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    logp, tokens = logp.tolist(), tokens.tolist()
-    parents, chosen = [-1], [root]
-    heap = [(-logp[0][0], 0, 0, 0)]  # (-score, depth index, rank, parent node)
-    while heap and len(chosen) - 1 < budget:
-        neg, d, r, parent = heapq.heappop(heap)
-        node = len(chosen)
-        chosen.append(tokens[d][r])
-        parents.append(parent)
-        if r + 1 < k:
-            heapq.heappush(heap, (neg + logp[d][r] - logp[d][r + 1], d, r + 1, parent))
-        if d + 1 < depth:
-            heapq.heappush(heap, (neg - logp[d + 1][0], d + 1, 0, node))
-    return DraftTree.from_parents(chosen, parents)
+    """DDTree: the `budget` most likely prefixes under the marginals (a prefix's score is the product of its
+    tokens' marginal probabilities). It is OPT-Tree with one table row per depth. logits [depth, V]."""
+    probs, tokens = torch.softmax(logits.float(), dim=-1).topk(min(budget, logits.shape[-1]), dim=-1)
+    return opt_tree(root, tokens, probs[:, None, :], budget)

@@ -1,0 +1,116 @@
+"""TreeFlash: the zero-initialised AR layer, the batched conditional tables, OPT-Tree's optimality, losslessness."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from treeflash import generate
+from treeflash.drafters import BlockDrafter, make_drafter
+from treeflash.drafters.dflash import conditional_tables
+from treeflash.models.dflash import DFlashDrafter
+from treeflash.trees import opt_tree, tree_value
+
+from conftest import tiny_target
+from test_dflash import tiny_drafter
+from test_lossless import repetitive_prompt
+
+
+@pytest.mark.parametrize("kind,prev", [("swiglu", 1), ("linear", 1), ("swiglu", 2)])
+def test_fresh_ar_layer_reproduces_the_backbone(kind, prev, tmp_path):
+    target = tiny_target("llama")
+    backbone = tiny_drafter(target)
+    taps = torch.randn(20, 2, 64)
+    first, positions = torch.tensor([3, 9]), torch.arange(8).repeat(2) + 10
+    prev_tokens = torch.randint(0, 96, (2, 7, prev))
+    before = backbone(first, positions, taps, None)
+    backbone.add_ar_layer(kind, prev)
+    torch.testing.assert_close(backbone(first, positions, taps, None, prev_tokens), before, atol=0, rtol=0)
+    backbone.save_pretrained(tmp_path, dtype=torch.float32)  # and the layer survives a round trip
+    loaded = DFlashDrafter.from_pretrained(tmp_path)
+    assert loaded.ar_layer is not None and loaded.config.ar_layer == backbone.config.ar_layer
+
+
+def treeflash_drafter(target, seed=2, prev=1):
+    drafter = tiny_drafter(target, seed=seed).add_ar_layer("swiglu", prev)
+    torch.nn.init.normal_(drafter.ar_layer.out_proj.weight, std=0.5)  # a layer that changes the conditionals
+    return drafter
+
+
+def test_ar_layer_runs_once_on_all_pairs_whatever_the_budget():
+    target = tiny_target("qwen3")
+    drafter = BlockDrafter(treeflash_drafter(target), "treeflash", top_m=5)
+    calls = []
+    drafter.model.ar_layer.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
+    prompt = repetitive_prompt(random.Random(0), 96)
+    for budget in (2, 30):
+        drafter.reset()
+        calls.clear()
+        drafter.observe(torch.randn(len(prompt), 2, 64))
+        tree = drafter.propose(prompt + [5], None, budget)
+        assert calls == [(7, 5, 64)]  # one call: (γ - 1) depths x M previous tokens
+        assert tree.size == budget
+
+
+def test_conditionals_depend_on_the_previous_token():
+    target = tiny_target("llama")
+    model = treeflash_drafter(target)
+    h = torch.randn(7, 64)
+    cand, cond = conditional_tables(model, [8, 4], h, top_m=6)
+    assert cand.shape == (7, 6) and cond.shape == (7, 6, 6)
+    assert torch.allclose(cond[0, 0], cond[0, 5])  # depth 1: every row conditions on the root
+    assert not torch.allclose(cond[3, 0], cond[3, 1])
+    assert (cond.sum(-1) <= 1 + 1e-5).all()
+
+
+def brute_force_best(tokens, probs, budget):
+    """Every set of `budget` nodes of the full candidate tree that is closed under parents; the best value."""
+    depth, width = tokens.shape
+    nodes = [path for d in range(1, depth + 1) for path in itertools.product(range(width), repeat=d)]
+    best = 0.0
+    for subset in itertools.combinations(nodes, budget):
+        chosen = set(subset)
+        if all(len(n) == 1 or n[:-1] in chosen for n in subset):
+            total = 0.0
+            for n in subset:
+                value, prev = 1.0, 0
+                for d, i in enumerate(n):
+                    value *= float(probs[d, prev if probs.shape[1] > 1 else 0, i])
+                    prev = i
+                total += value
+            best = max(best, total)
+    return best
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), depth=st.integers(1, 3), width=st.integers(1, 3), budget=st.integers(1, 5),
+       shared=st.booleans())
+def test_opt_tree_is_optimal(seed, depth, width, budget, shared):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.stack([torch.randperm(20, generator=g)[:width] for _ in range(depth)])
+    rows = 1 if shared else width
+    probs = torch.softmax(3 * torch.randn(depth, rows, width + 1, generator=g), -1)[..., :width]
+    n_nodes = sum(width ** d for d in range(1, depth + 1))
+    budget = min(budget, n_nodes)
+    tree = opt_tree(0, tokens, probs, budget)
+    assert tree.size == budget
+    assert abs(tree_value(tree, tokens, probs) - brute_force_best(tokens, probs, budget)) < 1e-9
+
+
+@pytest.mark.parametrize("prev", [1, 2])
+def test_treeflash_is_lossless(prev):
+    target = tiny_target("llama")
+    drafter = BlockDrafter(treeflash_drafter(target, prev=prev), "treeflash", top_m=4)
+    for seed in range(3):
+        prompt = repetitive_prompt(random.Random(seed), 96)
+        ar = generate(target, make_drafter("ar"), prompt, 40).tokens
+        for budget in (1, 6, 16):
+            assert generate(target, drafter, prompt, 40, budget=budget).tokens == ar
+
+
+def test_treeflash_needs_an_ar_layer():
+    target = tiny_target("llama")
+    with pytest.raises(ValueError, match="AR layer"):
+        BlockDrafter(tiny_drafter(target), "treeflash")
