@@ -10,11 +10,12 @@ from hypothesis import given, settings, strategies as st
 from treeflash import generate
 from treeflash.drafters import BlockDrafter, make_drafter
 from treeflash.drafters.dflash import conditional_tables
-from treeflash.models.dflash import DFlashDrafter
+from treeflash.models.dflash import DFlashConfig, DFlashDrafter
 from treeflash.trees import opt_tree, tree_value
 
 from conftest import tiny_target
 from test_dflash import tiny_drafter
+from test_cli import tiny_folder  # noqa: F401  (fixture)
 from test_lossless import repetitive_prompt
 
 
@@ -114,3 +115,28 @@ def test_treeflash_needs_an_ar_layer():
     target = tiny_target("llama")
     with pytest.raises(ValueError, match="AR layer"):
         BlockDrafter(tiny_drafter(target), "treeflash")
+
+
+def test_dist_command_reports_both_kinds(tmp_path, tiny_folder, capsys):  # noqa: F811
+    """TVD and coverage per depth, DFlash marginals vs TreeFlash conditionals, as JSON and a plot."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from treeflash.cli import main
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    drafter = DFlashDrafter(DFlashConfig.for_target(model.config, num_layers=1, num_taps=2, block_size=4))
+    drafter.add_ar_layer("swiglu", 1)
+    drafter.save_pretrained(tmp_path / "tf", dtype=torch.float32)
+    out, png = tmp_path / "dist.json", tmp_path / "dist.png"
+    assert main(["dist", "--target", tiny_folder, "--drafter", str(tmp_path / "tf"), "--limit", "2",
+                 "--max-new-tokens", "6", "--out", str(out), "--plot", str(png), "--no-progress"]) == 0
+    report = json.loads(out.read_text())["methods"]
+    assert set(report) == {"dflash", "treeflash"}
+    for r in report.values():
+        assert r["depth"] == [1, 2, 3] and all(0 <= x <= 1 for x in r["tvd"] + r["top1_coverage"])
+        assert all(a <= b for a, b in zip(r["top1_coverage"], r["top5_coverage"]))
+    # a fresh AR layer is the identity: both kinds measure the same distributions
+    assert report["dflash"]["tvd"] == pytest.approx(report["treeflash"]["tvd"], abs=1e-6)
+    assert png.stat().st_size > 1000

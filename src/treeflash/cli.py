@@ -86,6 +86,20 @@ def build_parser() -> Parser:
     o.add_argument("--json", action="store_true")
     _add_decoding_args(o)
 
+    ds = sub.add_parser("dist", help="per-depth TVD and top-k coverage of the drafter vs the target")
+    ds.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits) or a .jsonl file")
+    ds.add_argument("--field", default=None)
+    ds.add_argument("--limit", type=_positive_int, default=10)
+    ds.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    ds.add_argument("--target", default=DEFAULT_TARGET)
+    ds.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ds.add_argument("--device", default=None)
+    ds.add_argument("--drafter", default=None, help="DFlash or TreeFlash drafter folder (default: the shipped "
+                    "TreeFlash drafter, else the DFlash one)")
+    ds.add_argument("--out", default=None, help="write the metrics as JSON")
+    ds.add_argument("--plot", default=None, help="write the depth curves as a PNG")
+    ds.add_argument("--no-progress", action="store_true")
+
     gb = sub.add_parser("gdn-bench", help="Gated DeltaNet tree verification: per-branch replay vs per-node "
                         "recurrence vs masked tree solve (error, speed, memory)")
     gb.add_argument("--tree-size", type=_int_list, default=[16, 32, 64, 128], help="nodes per tree (16,32,64,128)")
@@ -253,6 +267,32 @@ def cmd_overhead(args) -> None:
           f"{report['bare_forward_17_ms']:7.1f} ms  ratio {report['tree_overhead']:.3f}")
 
 
+def cmd_dist(args) -> None:
+    from .drafters.dflash import default_drafter_path
+    from .eval.datasets import load_prompts
+    from .eval.dist import distribution_metrics, format_table, plot
+    from .models.dflash import DFlashDrafter
+
+    prompts = load_prompts(args.dataset, args.field, args.limit)
+    target = _load_target(args)
+    path = args.drafter
+    if path is None:
+        try:
+            path = default_drafter_path(args.target, "treeflash")
+        except FileNotFoundError:
+            path = default_drafter_path(args.target, "dflash")
+    drafter = DFlashDrafter.from_pretrained(path, dtype=target.model.dtype).attach(target.model).to(target.device)
+    report = {"target": args.target, "drafter": str(path), "dataset": args.dataset, "num_prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens,
+              "methods": distribution_metrics(target, drafter, prompts, args.max_new_tokens, not args.no_progress)}
+    print(format_table(report["methods"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report["methods"], args.plot)
+
+
 def cmd_gdn_bench(args) -> None:
     import torch
 
@@ -296,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         _quiet_libraries()
         {"generate": cmd_generate, "bench": cmd_bench, "overhead": cmd_overhead,
-         "gdn-bench": cmd_gdn_bench, "data": cmd_data,
+         "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
          "train": cmd_train}[args.command](args)
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)

@@ -1,0 +1,108 @@
+"""`treeflash dist`: how far the drafter's distributions are from the target's, depth by depth.
+
+Along the target's own greedy continuation of each prompt, every position is an anchor; at depth d the drafter's
+distribution for the token d steps ahead is compared with the target's (teacher-forced) distribution there:
+total-variation distance, and top-k coverage (the probability that the target's own token is among the
+drafter's k most likely). The DFlash marginals and, for a TreeFlash drafter, the AR layer's conditionals (given
+the true previous token) are measured on the same anchors.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ..drafters import make_drafter
+from ..engine import generate
+from ..models.dflash import DFlashDrafter
+from ..target import Target
+from ..train.dflash import Sequence, block_mask, target_view
+
+COVERAGE_K = (1, 5)
+
+
+@torch.no_grad()
+def depth_stats(drafter: DFlashDrafter, seq: Sequence, target_logp: torch.Tensor, taps: torch.Tensor,
+                conditional: bool, chunk: int = 32) -> dict[str, torch.Tensor]:
+    """Sums over all anchors of the answer, per depth 1..γ-1: TVD, top-k hits, and the anchors counted."""
+    parts = [_anchor_stats(drafter, seq, target_logp, taps, conditional, a)
+             for a in torch.arange(seq.prompt_len, len(seq.tokens) - 1).split(chunk)]
+    return {k: sum(p[k] for p in parts) for k in parts[0]}
+
+
+def _anchor_stats(drafter, seq, target_logp, taps, conditional, anchors) -> dict[str, torch.Tensor]:
+    g, S = drafter.config.block_size, len(seq.tokens)
+    positions = (anchors[:, None] + torch.arange(g)).flatten()
+    predicted = anchors[:, None] + torch.arange(1, g)
+    prev = None
+    if conditional:
+        back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1)
+        prev = seq.tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
+    h = drafter(seq.tokens[anchors], positions, taps, block_mask(anchors, S, g), prev if conditional else None)
+    valid = predicted < S
+    q = torch.softmax(drafter.logits(h).float(), dim=-1)  # [N, γ-1, V]
+    p = target_logp[(predicted - 1).clamp(max=S - 1)].exp()
+    truth = p.argmax(-1)  # the target's own (greedy) token at each predicted position
+    out = {"tvd": (0.5 * (p - q).abs().sum(-1) * valid).sum(0), "count": valid.sum(0).float()}
+    ranks = q.topk(max(COVERAGE_K), dim=-1).indices
+    for k in COVERAGE_K:
+        out[f"top{k}"] = ((ranks[..., :k] == truth[..., None]).any(-1) * valid).sum(0).float()
+    return out
+
+
+def distribution_metrics(target: Target, drafter: DFlashDrafter, prompts: list[str], max_new_tokens: int = 128,
+                         progress: bool = True) -> dict:
+    kinds = ["dflash"] + (["treeflash"] if drafter.ar_layer is not None else [])
+    totals: dict[str, dict[str, torch.Tensor]] = {}
+    for text in tqdm(prompts, desc="dist", disable=not progress, leave=False):
+        prompt = target.encode_prompt(text)
+        answer = generate(target, make_drafter("ar"), prompt, max_new_tokens).tokens
+        seq = Sequence(torch.tensor(prompt + answer), len(prompt))
+        view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
+        for kind in kinds:
+            stats = depth_stats(drafter, seq, view.logp, view.taps.to(drafter.fc.weight.dtype), kind == "treeflash")
+            acc = totals.setdefault(kind, {k: torch.zeros_like(v) for k, v in stats.items()})
+            for k, v in stats.items():
+                acc[k] += v
+    report = {}
+    for kind, t in totals.items():
+        n = t["count"].clamp_min(1)
+        report[kind] = {"depth": list(range(1, len(n) + 1)), "tvd": (t["tvd"] / n).tolist(),
+                        **{f"top{k}_coverage": (t[f"top{k}"] / n).tolist() for k in COVERAGE_K},
+                        "anchors": t["count"].long().tolist()}
+    return report
+
+
+def format_table(report: dict) -> str:
+    kinds = list(report)
+    head = "depth " + " ".join(f"{k + ' ' + m:>16}" for k in kinds for m in ("tvd", "top1", "top5"))
+    lines = [head]
+    for d in range(len(report[kinds[0]]["depth"])):
+        cells = []
+        for k in kinds:
+            r = report[k]
+            cells += [f"{r['tvd'][d]:>16.3f}", f"{r['top1_coverage'][d]:>16.3f}", f"{r['top5_coverage'][d]:>16.3f}"]
+        lines.append(f"{d + 1:>5} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tvd, ax_cov) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, r in report.items():
+        ax_tvd.plot(r["depth"], r["tvd"], marker="o", label=kind)
+        ax_cov.plot(r["depth"], r["top1_coverage"], marker="o", label=f"{kind} top-1")
+        ax_cov.plot(r["depth"], r["top5_coverage"], marker="x", linestyle="--", label=f"{kind} top-5")
+    ax_tvd.set(xlabel="depth", ylabel="TVD to the target", title="total-variation distance", ylim=(0, 1))
+    ax_cov.set(xlabel="depth", ylabel="coverage", title="target token in drafter top-k", ylim=(0, 1))
+    for ax in (ax_tvd, ax_cov):
+        ax.set_xticks(next(iter(report.values()))["depth"])
+    ax_tvd.legend()
+    ax_cov.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
