@@ -188,10 +188,11 @@ TRITON_CASES = [(1, 16, 16, 16, None), (9, 16, 16, 16, None), (40, 16, 16, 16, N
                 (37, 16, 24, 40, 16)]  # (T, block, dk, dv, block_v): one and several row blocks, split dv
 
 
-def run_triton_cases() -> None:
+def run_triton_cases(device: str = "cpu") -> None:
+    """The kernel against the per-branch reference: interpreted on the CPU, compiled on "cuda"."""
     for T, block, dk, dv, block_v in TRITON_CASES:
         parents = random_tree(T, seed=T)
-        inputs = gdn_inputs(T, dk=dk, dv=dv, seed=T, g_min=-20.0 if T == 40 else -3.0)
+        inputs = tuple(t.to(device) for t in gdn_inputs(T, dk=dk, dv=dv, seed=T, g_min=-20.0 if T == 40 else -3.0))
         o_ref, s_ref = tree_verify_reference(*inputs, parents)
         o, stash = triton_tree.tree_solve_triton(*inputs, parents, block=block, block_v=block_v)
         torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
