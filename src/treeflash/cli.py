@@ -67,7 +67,8 @@ def build_parser() -> Parser:
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed")
     g.add_argument("prompt")
-    g.add_argument("--method", default="pld", choices=list(METHODS))
+    g.add_argument("--method", default=None, choices=list(METHODS),
+                   help="decoding method (default: ddtree with the shipped drafter, else pld)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_decoding_args(g)
 
@@ -76,7 +77,8 @@ def build_parser() -> Parser:
     b.add_argument("--field", default=None, help="prompt field of a .jsonl file "
                    "(default: the first of prompt, question, problem, text, turns)")
     b.add_argument("--limit", type=_positive_int, default=10, help="number of prompts (10)")
-    b.add_argument("--methods", type=_methods, default=list(METHODS), help=f"comma-separated ({','.join(METHODS)})")
+    b.add_argument("--methods", type=_methods, default=None, help=f"comma-separated ({','.join(METHODS)}; "
+                   "default: those with a drafter shipped for the target)")
     b.add_argument("--out", default=None, help="write the results as JSON to this file")
     b.add_argument("--no-progress", action="store_true")
     _add_decoding_args(b)
@@ -199,6 +201,8 @@ def cmd_generate(args) -> None:
     sampling = _sampling(args)
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
+    if args.method is None:
+        args.method = "ddtree" if "ddtree" in available_methods(args.target, args.drafter) else "pld"
     target = _load_target(args)
     prompt = _encode(target, args.prompt)
     emitted: list[int] = []
@@ -227,12 +231,26 @@ def cmd_generate(args) -> None:
               f"{len(result.tokens) / result.seconds:.1f} tokens/s]", file=sys.stderr)
 
 
+def available_methods(target: str, drafter: str | None) -> list[str]:
+    """Methods that run without naming a drafter: ar, pld, and the block methods whose drafter is shipped."""
+    from .drafters.dflash import shipped_drafter
+
+    methods = ["ar", "pld"]
+    if drafter or shipped_drafter(target, "dflash"):
+        methods += ["dflash", "ddtree"]
+    if shipped_drafter(target, "treeflash"):
+        methods.append("treeflash")
+    return methods
+
+
 def cmd_bench(args) -> None:
     from .eval.bench import format_table, run_bench
     from .eval.datasets import load_prompts
 
     sampling = _sampling(args)
     prompts = load_prompts(args.dataset, args.field, args.limit)
+    if args.methods is None:
+        args.methods = available_methods(args.target, args.drafter)
     target = _load_target(args)
     for p in prompts:
         _encode(target, p)
@@ -268,19 +286,14 @@ def cmd_overhead(args) -> None:
 
 
 def cmd_dist(args) -> None:
-    from .drafters.dflash import default_drafter_path
+    from .drafters.dflash import default_drafter_path, shipped_drafter
     from .eval.datasets import load_prompts
     from .eval.dist import distribution_metrics, format_table, plot
     from .models.dflash import DFlashDrafter
 
     prompts = load_prompts(args.dataset, args.field, args.limit)
     target = _load_target(args)
-    path = args.drafter
-    if path is None:
-        try:
-            path = default_drafter_path(args.target, "treeflash")
-        except FileNotFoundError:
-            path = default_drafter_path(args.target, "dflash")
+    path = args.drafter or shipped_drafter(args.target, "treeflash") or default_drafter_path(args.target, "dflash")
     drafter = DFlashDrafter.from_pretrained(path, dtype=target.model.dtype).attach(target.model).to(target.device)
     report = {"target": args.target, "drafter": str(path), "dataset": args.dataset, "num_prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens,

@@ -25,9 +25,15 @@ SHIPPED = {("smollm2-135m-instruct", "dflash"): CHECKPOINTS / "smollm2-135m-inst
            ("smollm2-135m-instruct", "treeflash"): CHECKPOINTS / "smollm2-135m-instruct-treeflash"}
 
 
-def default_drafter_path(target_name: str, kind: str) -> Path:
+def shipped_drafter(target_name: str, kind: str) -> Path | None:
+    """The folder of the `kind` ("dflash" or "treeflash") drafter shipped for a target, if there is one."""
     path = SHIPPED.get((target_name, kind))
-    if path is None or not (path / "config.json").exists():
+    return path if path is not None and (path / "config.json").exists() else None
+
+
+def default_drafter_path(target_name: str, kind: str) -> Path:
+    path = shipped_drafter(target_name, kind)
+    if path is None:
         raise FileNotFoundError(f"no shipped {kind} drafter for target {target_name!r}: pass --drafter PATH "
                                 f"(a folder written by `treeflash train {kind}`)")
     return path
