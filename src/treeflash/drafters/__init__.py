@@ -6,20 +6,26 @@ from .ar import AutoregressiveDrafter
 from .base import Drafter
 from .dflash import BlockDrafter, load_block_drafter
 from .pld import PromptLookupDrafter
+from .tfm import WeaverDrafter, load_weaver_drafter
 
-METHODS = ("ar", "pld", "dflash", "ddtree", "treeflash")
+METHODS = ("ar", "pld", "dflash", "ddtree", "treeflash", "tfm")
 
 
-def make_drafter(name: str, target=None, drafter_path: str | None = None) -> Drafter:
+def make_drafter(name: str, target=None, drafter_path: str | None = None, weaver_path: str | None = None,
+                 width: int = 8) -> Drafter:
     """The drafter for method `name`. Block drafters read the verifying `target` and a trained drafter
-    (`drafter_path`, default: the one shipped for the target)."""
+    (`drafter_path`, default: the one shipped for the target); `tfm` also a Weaver (`weaver_path`) and expands
+    `width` nodes per Weaver call."""
     if name == "ar":
         return AutoregressiveDrafter()
     if name == "pld":
         return PromptLookupDrafter()
     if name in ("dflash", "ddtree", "treeflash"):
         return load_block_drafter(name, target, drafter_path)
+    if name == "tfm":
+        return load_weaver_drafter(target, drafter_path, weaver_path, width)
     raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 
 
-__all__ = ["METHODS", "AutoregressiveDrafter", "BlockDrafter", "Drafter", "PromptLookupDrafter", "make_drafter"]
+__all__ = ["METHODS", "AutoregressiveDrafter", "BlockDrafter", "Drafter", "PromptLookupDrafter", "WeaverDrafter",
+           "make_drafter"]

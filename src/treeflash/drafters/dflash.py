@@ -92,22 +92,28 @@ class BlockDrafter:
     def reset(self) -> None:
         self.ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.ctx_len = 0
+        self.last_feature: torch.Tensor | None = None  # fused context feature [H] of the last committed position
 
     @torch.no_grad()
     def observe(self, features: torch.Tensor) -> None:
         """Append the injected K/V of newly committed positions (features [m, n_taps, H])."""
         positions = torch.arange(self.ctx_len, self.ctx_len + len(features), device=features.device)
-        new = self.model.context_kv(self.model.fuse(features), positions)
+        fused = self.model.fuse(features)
+        self.last_feature = fused[-1]
+        new = self.model.context_kv(fused, positions)
         self.ctx_kv = new if self.ctx_kv is None else [
             (torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(self.ctx_kv, new)]
         self.ctx_len += len(features)
 
-    def propose(self, tokens, features, budget) -> DraftTree:
+    def draft(self, tokens, features) -> torch.Tensor:
+        """One drafter forward: pre-norm states [γ - 1, H] of the block after the root tokens[-1]."""
         if features is not None and len(features):
             self.observe(features)
         assert self.ctx_len == len(tokens) - 1, "the drafter's context must cover every committed position"
-        h = self.model.draft_states(tokens[-1], self.ctx_len, self.ctx_kv)
-        return self.build(self.model, tokens, h, budget)
+        return self.model.draft_states(tokens[-1], self.ctx_len, self.ctx_kv)
+
+    def propose(self, tokens, features, budget) -> DraftTree:
+        return self.build(self.model, tokens, self.draft(tokens, features), budget)
 
 
 def load_block_drafter(method: str, target, path: str | Path | None = None) -> BlockDrafter:

@@ -2,5 +2,6 @@
 
 from .marginal import best_first_tree, chain_tree
 from .opt_tree import opt_tree, tree_value
+from .parallel import parallel_tree
 
-__all__ = ["best_first_tree", "chain_tree", "opt_tree", "tree_value"]
+__all__ = ["best_first_tree", "chain_tree", "opt_tree", "parallel_tree", "tree_value"]
