@@ -10,11 +10,16 @@ from hypothesis import given, settings, strategies as st
 from treeflash import DraftTree, generate
 from treeflash.drafters import WeaverDrafter, make_drafter
 from treeflash.models.weaver import Weaver, WeaverConfig
+from treeflash.train.dflash import Sequence, sample_anchors, target_view
+from treeflash.train.losses import candidate_kl
+from treeflash.train.weaver import weaver_loss
 from treeflash.trees import opt_tree, parallel_tree, tree_value
 
 from conftest import tiny_target
+from test_cli import tiny_folder  # noqa: F401  (fixture)
 from test_dflash import tiny_drafter
 from test_lossless import repetitive_prompt
+from test_train import write_regen
 
 
 def tiny_weaver(drafter, seed=3, random_residual=True, **kw) -> Weaver:
@@ -142,3 +147,71 @@ def test_make_drafter_tfm(tmp_path):
     prompt = repetitive_prompt(random.Random(2), 96)
     assert generate(target, drafter, prompt, 20, budget=8).tokens == generate(target, make_drafter("ar"), prompt,
                                                                                20).tokens
+
+
+def test_candidate_kl_is_a_proper_kl():
+    p = torch.log_softmax(torch.randn(4, 10), -1)
+    q = torch.log_softmax(torch.randn(4, 10), -1)
+    everything = torch.arange(10).expand(4, 10)
+    torch.testing.assert_close(candidate_kl(p, everything, q), (p.exp() * (p - q)).sum(-1))
+    cand = torch.randperm(10)[:3].expand(4, 3)
+    assert (candidate_kl(p, cand, q.gather(-1, cand)) >= -1e-6).all()
+    assert candidate_kl(p, cand, p.gather(-1, cand)).abs().max() < 1e-6
+
+
+def test_a_few_weaver_steps_learn_and_the_backbone_stays():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4).requires_grad_(False)
+    frozen = {k: v.clone() for k, v in drafter.state_dict().items()}
+    weaver = tiny_weaver(drafter, random_residual=False, top_k=16)
+    seq = Sequence(torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0)), prompt_len=5)
+    view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
+    anchors = sample_anchors(seq, 16, torch.Generator().manual_seed(0))
+    optim = torch.optim.AdamW(weaver.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        loss, stats = weaver_loss(weaver, drafter, seq, view, anchors)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        first = first or stats["loss"]
+    assert stats["loss"] < 0.7 * first and stats["acc"] > stats["acc_dflash"]
+    for k, v in drafter.state_dict().items():
+        torch.testing.assert_close(v, frozen[k], atol=0, rtol=0)
+
+
+def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
+    """A 2-step `train weaver` run on a frozen backbone, then `dist` with the three kinds in one report."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from treeflash.cli import main
+    from treeflash.models.dflash import DFlashConfig, DFlashDrafter
+
+    write_regen(tmp_path / "regen")
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    torch.manual_seed(0)
+    backbone = DFlashDrafter(DFlashConfig.for_target(model.config, num_layers=1, num_taps=2, block_size=4))
+    backbone.add_ar_layer("swiglu", 1)
+    backbone.save_pretrained(tmp_path / "tf", dtype=torch.float32)
+    out = tmp_path / "run"
+    args = ["train", "weaver", "--backbone", str(tmp_path / "tf"), "--target", tiny_folder, "--data",
+            str(tmp_path / "regen"), "--out", str(out), "--steps", "2", "--batch-size", "2", "--num-anchors", "4",
+            "--top-k", "64", "--lr", "1e-2", "--target-dtype", "float32", "--save-every", "2", "--log-every", "1"]
+    assert main(args) == 0
+    weaver = Weaver.from_pretrained(out / "weaver")
+    assert weaver.config.top_k == 64 and weaver.out_proj.weight.abs().sum() > 0
+    assert len(open(out / "log.jsonl").readlines()) == 2
+    for k, v in DFlashDrafter.from_pretrained(tmp_path / "tf").state_dict().items():  # the backbone is untouched
+        torch.testing.assert_close(v, backbone.state_dict()[k], atol=0, rtol=0)
+
+    report_path, png = tmp_path / "dist.json", tmp_path / "dist.png"
+    assert main(["dist", "--target", tiny_folder, "--drafter", str(tmp_path / "tf"), "--weaver", str(out / "weaver"),
+                 "--limit", "1", "--max-new-tokens", "5", "--out", str(report_path), "--plot", str(png),
+                 "--no-progress"]) == 0
+    report = json.loads(report_path.read_text())["methods"]
+    assert set(report) == {"dflash", "treeflash", "weaver"}
+    r = report["weaver"]
+    assert r["depth"] == [1, 2, 3] and all(0 <= x <= 1 for x in r["tvd"] + r["top1_coverage"])
+    assert png.stat().st_size > 1000

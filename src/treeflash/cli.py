@@ -1,4 +1,4 @@
-"""The `treeflash` command line: generate, bench, overhead, gdn-bench."""
+"""The `treeflash` command line: generate, bench, overhead, dist, gdn-bench, data regen, train."""
 
 from __future__ import annotations
 
@@ -53,8 +53,10 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="target precision; float32 is exact against AR, bfloat16 is faster on recent CPUs")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree "
+    p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree/tfm "
                    "(default: the one shipped for the target)")
+    p.add_argument("--weaver", default=None, help="Weaver folder for tfm (written by `treeflash train weaver`)")
+    p.add_argument("--tfm-width", type=_positive_int, default=8, help="tfm: nodes expanded per Weaver call (8)")
 
 
 def build_parser() -> Parser:
@@ -98,6 +100,7 @@ def build_parser() -> Parser:
     ds.add_argument("--device", default=None)
     ds.add_argument("--drafter", default=None, help="DFlash or TreeFlash drafter folder (default: the shipped "
                     "TreeFlash drafter, else the DFlash one)")
+    ds.add_argument("--weaver", default=None, help="also measure this Weaver's conditionals (on a DFlash drafter)")
     ds.add_argument("--out", default=None, help="write the metrics as JSON")
     ds.add_argument("--plot", default=None, help="write the depth curves as a PNG")
     ds.add_argument("--no-progress", action="store_true")
@@ -142,9 +145,17 @@ def build_parser() -> Parser:
     tt.add_argument("--ar-kind", default="swiglu", choices=["swiglu", "linear"])
     tt.add_argument("--prev-tokens", type=int, default=1, choices=[1, 2], help="previous tokens conditioned on")
     tt.add_argument("--ar-intermediate-size", type=_positive_int, default=None, help="SwiGLU width (the MLP's)")
-    for t, out in ((td, "runs/dflash"), (tt, "runs/treeflash")):
+    tw = tr.add_parser("weaver", help="train a Weaver adapter on a frozen DFlash backbone (torchrun for DDP)")
+    tw.add_argument("--backbone", required=True, help="DFlash drafter folder (frozen)")
+    tw.add_argument("--width", type=_positive_int, default=None, help="Weaver width (the drafter's hidden size)")
+    tw.add_argument("--weaver-layers", type=_positive_int, default=1, help="causal attention layers (1)")
+    tw.add_argument("--heads", type=_positive_int, default=None, help="attention heads (the drafter's)")
+    tw.add_argument("--top-k", type=_positive_int, default=512, help="candidates per depth, K (512)")
+    for t in (td, tt):
+        t.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
+    for t, out in ((td, "runs/dflash"), (tt, "runs/treeflash"), (tw, "runs/weaver")):
         t.add_argument("--data", default="data/regen", help="folder written by `treeflash data regen`")
-        t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, drafter/ ({out})")
+        t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, {'weaver' if t is tw else 'drafter'}/ ({out})")
         t.add_argument("--target", default=DEFAULT_TARGET)
         t.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
         t.add_argument("--device", default=None)
@@ -153,7 +164,6 @@ def build_parser() -> Parser:
         t.add_argument("--lr", type=float, default=6e-4)
         t.add_argument("--num-anchors", type=_positive_int, default=32, help="blocks per sequence (32)")
         t.add_argument("--max-len", type=_positive_int, default=512, help="tokens per sequence (512)")
-        t.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
         t.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 (default: bf16 autocast)")
         t.add_argument("--save-every", type=_positive_int, default=100)
         t.add_argument("--log-every", type=_positive_int, default=10)
@@ -203,6 +213,8 @@ def cmd_generate(args) -> None:
         raise UsageError("the prompt is empty")
     if args.method is None:
         args.method = "ddtree" if "ddtree" in available_methods(args.target, args.drafter) else "pld"
+    if args.method == "tfm" and not args.weaver:
+        raise UsageError("method tfm needs --weaver PATH (a folder written by `treeflash train weaver`)")
     target = _load_target(args)
     prompt = _encode(target, args.prompt)
     emitted: list[int] = []
@@ -217,7 +229,8 @@ def cmd_generate(args) -> None:
             sys.stdout.flush()
             printed = text
 
-    result = generate(target, make_drafter(args.method, target, args.drafter), prompt, args.max_new_tokens, sampling,
+    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width)
+    result = generate(target, drafter, prompt, args.max_new_tokens, sampling,
                       args.budget, seed=args.seed, on_token=None if args.json else stream)
     if args.json:
         print(json.dumps({
@@ -231,8 +244,9 @@ def cmd_generate(args) -> None:
               f"{len(result.tokens) / result.seconds:.1f} tokens/s]", file=sys.stderr)
 
 
-def available_methods(target: str, drafter: str | None) -> list[str]:
-    """Methods that run without naming a drafter: ar, pld, and the block methods whose drafter is shipped."""
+def available_methods(target: str, drafter: str | None, weaver: str | None = None) -> list[str]:
+    """Methods that run without naming a drafter: ar, pld, and the block methods whose drafter is shipped
+    (tfm when a Weaver is named)."""
     from .drafters.dflash import shipped_drafter
 
     methods = ["ar", "pld"]
@@ -240,6 +254,8 @@ def available_methods(target: str, drafter: str | None) -> list[str]:
         methods += ["dflash", "ddtree"]
     if shipped_drafter(target, "treeflash"):
         methods.append("treeflash")
+    if weaver and "ddtree" in methods:
+        methods.append("tfm")
     return methods
 
 
@@ -250,13 +266,16 @@ def cmd_bench(args) -> None:
     sampling = _sampling(args)
     prompts = load_prompts(args.dataset, args.field, args.limit)
     if args.methods is None:
-        args.methods = available_methods(args.target, args.drafter)
+        args.methods = available_methods(args.target, args.drafter, args.weaver)
+    if "tfm" in args.methods and not args.weaver:
+        raise UsageError("method tfm needs --weaver PATH (a folder written by `treeflash train weaver`)")
     target = _load_target(args)
     for p in prompts:
         _encode(target, p)
     started = time.time()
     methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
-                        progress=not args.no_progress, drafter_path=args.drafter)
+                        progress=not args.no_progress, drafter_path=args.drafter, weaver_path=args.weaver,
+                        tfm_width=args.tfm_width)
     report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budget": args.budget,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "seconds": time.time() - started,
@@ -290,14 +309,19 @@ def cmd_dist(args) -> None:
     from .eval.datasets import load_prompts
     from .eval.dist import distribution_metrics, format_table, plot
     from .models.dflash import DFlashDrafter
+    from .models.weaver import Weaver
 
     prompts = load_prompts(args.dataset, args.field, args.limit)
     target = _load_target(args)
     path = args.drafter or shipped_drafter(args.target, "treeflash") or default_drafter_path(args.target, "dflash")
     drafter = DFlashDrafter.from_pretrained(path, dtype=target.model.dtype).attach(target.model).to(target.device)
-    report = {"target": args.target, "drafter": str(path), "dataset": args.dataset, "num_prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens,
-              "methods": distribution_metrics(target, drafter, prompts, args.max_new_tokens, not args.no_progress)}
+    weaver = None
+    if args.weaver:
+        weaver = Weaver.from_pretrained(args.weaver, dtype=target.model.dtype).attach(drafter).to(target.device)
+    report = {"target": args.target, "drafter": str(path), "weaver": args.weaver, "dataset": args.dataset,
+              "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "methods": distribution_metrics(target, drafter, prompts, args.max_new_tokens, not args.no_progress,
+                                              weaver)}
     print(format_table(report["methods"]))
     if args.out:
         with open(args.out, "w") as f:
@@ -338,9 +362,9 @@ def _spread(items: list, n: int) -> list:
 
 
 def cmd_train(args) -> None:
-    from .train import dflash
+    from .train import dflash, weaver
 
-    print(json.dumps(dflash.run(args)))
+    print(json.dumps((weaver if args.train_command == "weaver" else dflash).run(args)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,10 +25,11 @@ class MethodTotals:
 
 def run_bench(target: Target, prompts: list[str], methods: list[str], budget: int = 16,
               sampling: Sampling = Sampling(), max_new_tokens: int = 128, seed: int = 0,
-              progress: bool = True, drafter_path: str | None = None) -> dict:
+              progress: bool = True, drafter_path: str | None = None, weaver_path: str | None = None,
+              tfm_width: int = 8) -> dict:
     """Run `methods` (ar first, added if missing: it is the speed and exactness reference) on every prompt."""
     methods = ["ar"] + [m for m in methods if m != "ar"]
-    drafters = {m: make_drafter(m, target, drafter_path) for m in methods}
+    drafters = {m: make_drafter(m, target, drafter_path, weaver_path, tfm_width) for m in methods}
     encoded = [target.encode_prompt(p) for p in prompts]
     for drafter in drafters.values():  # warm-up: first calls pay for allocations and lazy initialisation
         generate(target, drafter, encoded[0], max_new_tokens=8, sampling=sampling, budget=budget, seed=seed)

@@ -4,7 +4,12 @@ Along the target's own greedy continuation of each prompt, every position is an 
 distribution for the token d steps ahead is compared with the target's (teacher-forced) distribution there:
 total-variation distance, and top-k coverage (the probability that the target's own token is among the
 drafter's k most likely). The DFlash marginals and, for a TreeFlash drafter, the AR layer's conditionals (given
-the true previous token) are measured on the same anchors.
+the true previous token) are measured on the same anchors; with a Weaver, its conditionals too (given the true
+branch, as in training).
+
+The Weaver has a distribution over its K candidates only (the top-K of the DFlash marginal at that depth); it is
+compared over the full vocabulary as it is used to build trees: its probabilities placed on the K candidates and
+zero mass on every other token (so the target's mass outside the candidates counts fully in its TVD).
 """
 
 from __future__ import annotations
@@ -15,32 +20,39 @@ from tqdm import tqdm
 from ..drafters import make_drafter
 from ..engine import generate
 from ..models.dflash import DFlashDrafter
+from ..models.weaver import Weaver
 from ..target import Target
-from ..train.dflash import Sequence, block_mask, target_view
+from ..train.dflash import Sequence, blocks, target_view
+from ..train.weaver import weaver_logits
 
 COVERAGE_K = (1, 5)
 
 
 @torch.no_grad()
 def depth_stats(drafter: DFlashDrafter, seq: Sequence, target_logp: torch.Tensor, taps: torch.Tensor,
-                conditional: bool, chunk: int = 32) -> dict[str, torch.Tensor]:
-    """Sums over all anchors of the answer, per depth 1..γ-1: TVD, top-k hits, and the anchors counted."""
-    parts = [_anchor_stats(drafter, seq, target_logp, taps, conditional, a)
+                kind: str, chunk: int = 32, weaver: Weaver | None = None) -> dict[str, torch.Tensor]:
+    """Sums over all anchors of the answer, per depth 1..γ-1: TVD, top-k hits, and the anchors counted.
+    kind: "dflash" (marginals), "treeflash" (AR-layer conditionals) or "weaver" (`weaver`'s conditionals)."""
+    parts = [_anchor_stats(drafter, seq, target_logp, taps, kind, a, weaver)
              for a in torch.arange(seq.prompt_len, len(seq.tokens) - 1).split(chunk)]
     return {k: sum(p[k] for p in parts) for k in parts[0]}
 
 
-def _anchor_stats(drafter, seq, target_logp, taps, conditional, anchors) -> dict[str, torch.Tensor]:
+def _anchor_stats(drafter, seq, target_logp, taps, kind, anchors, weaver) -> dict[str, torch.Tensor]:
     g, S = drafter.config.block_size, len(seq.tokens)
-    positions = (anchors[:, None] + torch.arange(g)).flatten()
-    predicted = anchors[:, None] + torch.arange(1, g)
-    prev = None
-    if conditional:
-        back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1)
-        prev = seq.tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
-    h = drafter(seq.tokens[anchors], positions, taps, block_mask(anchors, S, g), prev if conditional else None)
+    positions, mask, predicted = blocks(anchors, S, g)
     valid = predicted < S
-    q = torch.softmax(drafter.logits(h).float(), dim=-1)  # [N, γ-1, V]
+    if kind == "weaver":  # its distribution on the K candidates, zero elsewhere
+        _, cand, logits, _ = weaver_logits(weaver, drafter, seq.tokens, taps, anchors)
+        q = torch.zeros(*cand.shape[:-1], drafter.config.vocab_size, device=cand.device)
+        q = q.scatter(-1, cand, torch.softmax(logits.float(), dim=-1))  # [N, γ-1, V]
+    else:
+        prev = None
+        if kind == "treeflash":
+            back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1)
+            prev = seq.tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
+        h = drafter(seq.tokens[anchors], positions, taps, mask, prev)
+        q = torch.softmax(drafter.logits(h).float(), dim=-1)  # [N, γ-1, V]
     p = target_logp[(predicted - 1).clamp(max=S - 1)].exp()
     truth = p.argmax(-1)  # the target's own (greedy) token at each predicted position
     out = {"tvd": (0.5 * (p - q).abs().sum(-1) * valid).sum(0), "count": valid.sum(0).float()}
@@ -51,8 +63,8 @@ def _anchor_stats(drafter, seq, target_logp, taps, conditional, anchors) -> dict
 
 
 def distribution_metrics(target: Target, drafter: DFlashDrafter, prompts: list[str], max_new_tokens: int = 128,
-                         progress: bool = True) -> dict:
-    kinds = ["dflash"] + (["treeflash"] if drafter.ar_layer is not None else [])
+                         progress: bool = True, weaver: Weaver | None = None) -> dict:
+    kinds = ["dflash"] + (["treeflash"] if drafter.ar_layer is not None else []) + (["weaver"] if weaver else [])
     totals: dict[str, dict[str, torch.Tensor]] = {}
     for text in tqdm(prompts, desc="dist", disable=not progress, leave=False):
         prompt = target.encode_prompt(text)
@@ -60,7 +72,7 @@ def distribution_metrics(target: Target, drafter: DFlashDrafter, prompts: list[s
         seq = Sequence(torch.tensor(prompt + answer), len(prompt))
         view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
         for kind in kinds:
-            stats = depth_stats(drafter, seq, view.logp, view.taps.to(drafter.fc.weight.dtype), kind == "treeflash")
+            stats = depth_stats(drafter, seq, view.logp, view.taps.to(drafter.fc.weight.dtype), kind, weaver=weaver)
             acc = totals.setdefault(kind, {k: torch.zeros_like(v) for k, v in stats.items()})
             for k, v in stats.items():
                 acc[k] += v

@@ -60,6 +60,15 @@ def block_mask(anchors: torch.Tensor, context: int, block_size: int) -> torch.Te
     return torch.cat([sees_context, block[:, None] == block[None, :]], dim=1)
 
 
+def blocks(anchors: torch.Tensor, context: int, block_size: int):
+    """The layout of one block per anchor [N]: positions [N γ], the mask [N γ, S + N γ] (`block_mask`), and the
+    positions [N, γ-1] of the drafted tokens (some may lie past the sequence: check `< S`)."""
+    g, device = block_size, anchors.device
+    positions = (anchors[:, None] + torch.arange(g, device=device)).flatten()
+    mask = block_mask(anchors.cpu(), context, g).to(device)
+    return positions, mask, anchors[:, None] + torch.arange(1, g, device=device)
+
+
 def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors: torch.Tensor,
                 kl_topk: int = 0, decay: float = 7.0) -> tuple[torch.Tensor, dict]:
     """Weighted forward KL over all anchors' blocks of one sequence, and accuracy stats.
@@ -68,10 +77,8 @@ def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors
     drafter: DFlashDrafter = getattr(model, "module", model)
     g, S, device = drafter.config.block_size, len(seq.tokens), view.taps.device
     anchors = anchors.to(device)
-    positions = (anchors[:, None] + torch.arange(g, device=device)).flatten()
-    mask = block_mask(anchors.cpu(), S, g).to(device)
+    positions, mask, predicted = blocks(anchors, S, g)
     tokens = seq.tokens.to(device)
-    predicted = anchors[:, None] + torch.arange(1, g, device=device)  # positions of the drafted tokens
     prev = None
     if drafter.ar_layer is not None:  # TreeFlash: teacher forcing, the true previous token(s)
         back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1, device=device)
@@ -94,22 +101,12 @@ def run(args) -> dict:
 
     TreeFlash starts from a trained DFlash backbone (--backbone), adds a zero-initialised AR layer and trains it,
     alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing."""
-    import json
     from pathlib import Path
 
     from ..models.dflash import DFlashConfig
-    from ..target import Target
     from .data import load_regen
-    from .trainer import TrainConfig, init_distributed, train
 
-    rank, world = init_distributed()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
-    elif world > 1:
-        torch.set_num_threads(max(1, (__import__("os").cpu_count() or 2) // world))
-    target = Target.load(args.target, dtype=args.target_dtype, device=args.device)
-    target.model.requires_grad_(False)
-    torch.manual_seed(args.seed)
+    rank, world, target = setup(args)
     if args.train_command == "treeflash":
         drafter = DFlashDrafter.from_pretrained(args.backbone).attach(target.model).to(target.device)
         if drafter.ar_layer is None:
@@ -133,13 +130,42 @@ def run(args) -> dict:
         with autocast:
             return dflash_loss(model, seq, view, sample_anchors(seq, args.num_anchors, gen), args.kl_topk)
 
+    return launch(args, world, rank, drafter, trainable, data, loss_fn)
+
+
+def setup(args):
+    """(rank, world size, the frozen target) for a training run; one CPU share per process under torchrun."""
+    import os
+
+    from ..target import Target
+    from .trainer import init_distributed
+
+    rank, world = init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    elif world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    target = Target.load(args.target, dtype=args.target_dtype, device=args.device)
+    target.model.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    return rank, world, target
+
+
+def launch(args, world: int, rank: int, model: torch.nn.Module, trainable: list, data: list, loss_fn,
+           model_dir: str = "drafter") -> dict:
+    """Write train_args.json and run the shared training loop; the model is saved to `out/model_dir`."""
+    import json
+    from pathlib import Path
+
+    from .trainer import TrainConfig, train
+
     cfg = TrainConfig(out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       save_every=args.save_every, log_every=args.log_every, keep_every=args.keep_every,
-                      seed=args.seed)
+                      seed=args.seed, model_dir=model_dir)
     if rank == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "train_args.json").write_text(json.dumps(
             {**vars(args), "world_size": world, "num_sequences": len(data),
-             "drafter_parameters": sum(p.numel() for p in drafter.parameters())}, indent=2, default=str))
-    return train(drafter, trainable, data, loss_fn, cfg, drafter.save_pretrained,
-                 resume=not args.no_resume)
+             "trained_parameters": sum(p.numel() for p in trainable),
+             "drafter_parameters": sum(p.numel() for p in model.parameters())}, indent=2, default=str))
+    return train(model, trainable, data, loss_fn, cfg, model.save_pretrained, resume=not args.no_resume)

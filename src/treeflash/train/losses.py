@@ -23,12 +23,22 @@ def forward_kl(target_logp: torch.Tensor, draft_logits: torch.Tensor, topk: int 
     if not topk:
         p = target_logp.exp()
         return (p * (target_logp - logq)).sum(-1)
-    top_logp, idx = target_logp.topk(topk, dim=-1)
-    top_logq = logq.gather(-1, idx)
-    p = top_logp.exp()
+    idx = target_logp.topk(topk, dim=-1).indices
+    return candidate_kl(target_logp, idx, logq.gather(-1, idx))
+
+
+def candidate_kl(target_logp: torch.Tensor, cand: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) on K + 1 outcomes: K candidate tokens and one bucket for all the others. [...]
+
+    target_logp [..., V] the target's log-distribution; cand [..., K] distinct token ids; draft_logq [..., K] the
+    drafter's log-probabilities of the candidates (summing to at most 1). Each side's bucket holds its mass
+    outside the candidates, so this is a proper KL, zero exactly when both agree on all K + 1 outcomes.
+    """
+    logp = target_logp.gather(-1, cand)
+    p = logp.exp()
     rest_p = (1 - p.sum(-1)).clamp_min(1e-12)
-    rest_q = (1 - top_logq.exp().sum(-1)).clamp_min(1e-12)
-    return (p * (top_logp - top_logq)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())
+    rest_q = (1 - draft_logq.exp().sum(-1)).clamp_min(1e-12)
+    return (p * (logp - draft_logq)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())
 
 
 def cosine_lr(step: int, total: int, peak: float, warmup: float = 0.04, floor: float = 0.0) -> float:

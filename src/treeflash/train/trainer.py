@@ -38,6 +38,7 @@ class TrainConfig:
     log_every: int = 10
     keep_every: int = 0  # also keep a drafter snapshot every this many steps (0: never), for learning curves
     seed: int = 0
+    model_dir: str = "drafter"  # the trained model is saved to out/model_dir
 
 
 def init_distributed() -> tuple[int, int]:
@@ -121,9 +122,9 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
             if step % cfg.save_every == 0 or step == cfg.steps:
                 atomic_save({"model": {k: v for k, v in model.state_dict().items()},
                              "optim": optim.state_dict(), "step": step, "config": asdict(cfg)}, ckpt)
-                save_model(out / "drafter")
+                save_model(out / cfg.model_dir)
             if cfg.keep_every and step % cfg.keep_every == 0:
-                save_model(out / f"drafter-step{step:06d}")
+                save_model(out / f"{cfg.model_dir}-step{step:06d}")
     bar.close()
     if log:
         log.close()
