@@ -189,6 +189,7 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     from treeflash.cli import main
     from treeflash.models.dflash import DFlashConfig, DFlashDrafter
 
+    assert main(["generate", "hi", "--method", "tfm", "--target", tiny_folder]) == 2  # no --weaver: one-line error
     write_regen(tmp_path / "regen")
     model = AutoModelForCausalLM.from_pretrained(tiny_folder)
     torch.manual_seed(0)
