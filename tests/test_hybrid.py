@@ -129,3 +129,32 @@ def test_methods_match_ar_on_hybrid_targets(hybrid, seed):
         assert result.tokens == ar
         if budget == 16:
             assert result.tau > 1.5  # true branches accepted deep in the tree, scattered node order
+
+
+def test_briefly_trained_dflash_drafter_is_lossless_on_hybrids(hybrid):
+    """A DFlash drafter trained for a few steps on the hybrid target's own outputs, as chain, DDTree and (with a
+    random AR layer) TreeFlash: exactly the AR tokens."""
+    from test_dflash import tiny_drafter
+    from treeflash.drafters import BlockDrafter
+    from treeflash.train.dflash import Sequence, dflash_loss, sample_anchors, target_view
+
+    drafter = tiny_drafter(hybrid, seed=3)
+    optim = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    prompts = [repetitive_prompt(random.Random(10 + i), 96) for i in range(3)]
+    seqs = [Sequence(torch.tensor(p + generate(hybrid, make_drafter("ar"), p, 40).tokens), len(p)) for p in prompts]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(20):
+        seq = seqs[step % len(seqs)]
+        view = target_view(hybrid.model, seq.tokens, drafter.config.target_layer_ids)
+        loss, _ = dflash_loss(drafter, seq, view, sample_anchors(seq, 16, gen))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    prompt = repetitive_prompt(random.Random(99), 96)
+    ar = generate(hybrid, make_drafter("ar"), prompt, 40).tokens
+    for method in ("dflash", "ddtree"):
+        for budget in (1, 8):
+            assert generate(hybrid, BlockDrafter(drafter, method), prompt, 40, budget=budget).tokens == ar
+    drafter.add_ar_layer("swiglu", 1)
+    torch.nn.init.normal_(drafter.ar_layer.out_proj.weight, std=0.3)
+    assert generate(hybrid, BlockDrafter(drafter, "treeflash", top_m=4), prompt, 40, budget=8).tokens == ar
