@@ -101,6 +101,15 @@ class DFlashConfig:
         return cls(**kwargs, ar_layer=ar if isinstance(ar, dict) else None, extra=d)
 
 
+def save_checkpoint(model: nn.Module, config: dict, folder: str | Path, dtype: torch.dtype) -> None:
+    """The save_pretrained layout: config.json and model.safetensors (weights cast to `dtype`)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -299,11 +308,7 @@ class DFlashDrafter(nn.Module):
 
     # ---- save / load -------------------------------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
-        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_checkpoint(self, self.config.to_json(), folder, dtype)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from .dflash import DFlashConfig, DFlashDrafter, DrafterError, RMSNorm, rope
+from .dflash import DFlashConfig, DFlashDrafter, DrafterError, RMSNorm, rope, save_checkpoint
 
 
 @dataclass
@@ -199,12 +199,7 @@ class Weaver(nn.Module):
 
     # ---- save / load -------------------------------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        config = {"architectures": ["Weaver"], **asdict(self.config)}
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_checkpoint(self, {"architectures": ["Weaver"], **asdict(self.config)}, folder, dtype)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "Weaver":
