@@ -32,7 +32,7 @@ def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
                  "--max-new-tokens", "12", "--out", str(out), "--no-progress"]) == 0
     report = json.loads(out.read_text())
     assert report["target"] == tiny_folder and report["dataset"] == "gsm8k" and report["num_prompts"] == 2
-    assert report["budget"] == 16 and report["temperature"] == 0.0 and report["max_new_tokens"] == 12
+    assert report["budgets"] == [16] and report["temperature"] == 0.0 and report["max_new_tokens"] == 12
     assert set(report["methods"]) == {"ar", "pld"}
     for m in report["methods"].values():
         assert isinstance(m["tau"], float) and m["tau"] >= 1.0
@@ -41,6 +41,16 @@ def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
     assert report["methods"]["ar"]["tau"] == 1.0
     table = capsys.readouterr().out
     assert "pld" in table and "speedup" in table
+
+
+def test_bench_sweeps_budgets_in_one_run(tiny_folder, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", tiny_folder, "--dataset", "gsm8k", "--limit", "1", "--methods", "pld",
+                 "--budget", "2,8", "--max-new-tokens", "10", "--out", str(out), "--no-progress"]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"ar", "pld@2", "pld@8"}
+    assert [methods[m]["budget"] for m in ("ar", "pld@2", "pld@8")] == [None, 2, 8]
+    assert all(m["matches_ar"] for m in methods.values())
 
 
 def test_bench_at_temperature_has_no_exactness(tiny_folder, tmp_path):

@@ -135,9 +135,18 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
             "--data", str(tmp_path / "regen"), "--out", str(tmp_path / "tf"), "--steps", "3", "--batch-size", "2",
             "--num-anchors", "4", "--lr", "1e-2", "--target-dtype", "float32"]
     assert main(args) == 0
-    from treeflash.models.dflash import DFlashDrafter
+    from treeflash.models.dflash import DFlashDrafter, DrafterError
 
     before, after = DFlashDrafter.from_pretrained(backbone), DFlashDrafter.from_pretrained(tmp_path / "tf" / "drafter")
     assert after.ar_layer is not None and after.ar_layer.out_proj.weight.abs().sum() > 0
     for (name, a), b in zip(before.state_dict().items(), (after.state_dict()[k] for k in before.state_dict())):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"frozen backbone changed: {name}")
+    # the frozen run saves only the AR layer, pointing to its backbone, and refuses a backbone that changed
+    from safetensors.torch import load_file
+
+    assert all(k.startswith("ar_layer.") for k in load_file(str(tmp_path / "tf" / "drafter" / "model.safetensors")))
+    changed = DFlashDrafter.from_pretrained(backbone)
+    torch.nn.init.zeros_(changed.fc.weight)
+    changed.save_pretrained(backbone)
+    with pytest.raises(DrafterError, match="not the one"):
+        DFlashDrafter.from_pretrained(tmp_path / "tf" / "drafter")

@@ -119,7 +119,7 @@ def test_tfm_drafter_counts_weaver_calls(budget, w):
     prompt = repetitive_prompt(random.Random(1), 96)
     drafter.observe(torch.randn(len(prompt), 2, 64))
     tree = drafter.propose(prompt + [5], None, budget)
-    assert tree.size == budget and drafter.last_round.calls == math.ceil(budget / w)
+    assert tree.size == budget and drafter.last_round.calls == math.ceil(budget / w) == drafter.adapter_calls
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -213,6 +213,14 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
                  "--no-progress"]) == 0
     report = json.loads(report_path.read_text())["methods"]
     assert set(report) == {"dflash", "treeflash", "weaver"}
+
+    bench = tmp_path / "bench.json"  # a width sweep in one run: exact, ceil(B / w) Weaver calls per round
+    assert main(["bench", "--target", tiny_folder, "--methods", "ddtree,tfm", "--drafter", str(tmp_path / "tf"),
+                 "--weaver", str(out / "weaver"), "--budget", "4", "--tfm-width", "1,3", "--limit", "1",
+                 "--max-new-tokens", "6", "--out", str(bench), "--no-progress"]) == 0
+    methods = json.loads(bench.read_text())["methods"]
+    assert set(methods) == {"ar", "ddtree", "tfm/w1", "tfm/w3"} and all(m["matches_ar"] for m in methods.values())
+    assert methods["tfm/w1"]["adapter_calls_per_round"] == 4 and methods["tfm/w3"]["adapter_calls_per_round"] == 2
     r = report["weaver"]
     assert r["depth"] == [1, 2, 3] and all(0 <= x <= 1 for x in r["tvd"] + r["top1_coverage"])
     assert png.stat().st_size > 1000

@@ -39,10 +39,17 @@ def _methods(text: str) -> list[str]:
     return names
 
 
-def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+def _positive_ints(text: str) -> list[int]:
+    return [_positive_int(x) for x in text.split(",") if x.strip()] or [_positive_int(text)]
+
+
+def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """Decoding options; with `sweep` (bench), --budget and --tfm-width take comma-separated lists."""
     from .target import DEFAULT_TARGET
 
-    p.add_argument("--budget", type=_positive_int, default=16, help="draft nodes per tree, root excluded (16)")
+    ints, several = (_positive_ints, "; a list such as 16,64 runs each") if sweep else (_positive_int, "")
+    p.add_argument("--budget", type=ints, default=[16] if sweep else 16,
+                   help=f"draft nodes per tree, root excluded (16{several})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1 = off)")
@@ -55,8 +62,10 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree/tfm "
                    "(default: the one shipped for the target)")
-    p.add_argument("--weaver", default=None, help="Weaver folder for tfm (written by `treeflash train weaver`)")
-    p.add_argument("--tfm-width", type=_positive_int, default=8, help="tfm: nodes expanded per Weaver call (8)")
+    p.add_argument("--weaver", default=None, help="Weaver folder for tfm (written by `treeflash train weaver`; "
+                   "default: the one shipped for the target)")
+    p.add_argument("--tfm-width", type=ints, default=[8] if sweep else 8,
+                   help=f"tfm: nodes expanded per Weaver call (8{several})")
 
 
 def build_parser() -> Parser:
@@ -83,7 +92,7 @@ def build_parser() -> Parser:
                    "default: those with a drafter shipped for the target)")
     b.add_argument("--out", default=None, help="write the results as JSON to this file")
     b.add_argument("--no-progress", action="store_true")
-    _add_decoding_args(b)
+    _add_decoding_args(b, sweep=True)
     o = sub.add_parser("overhead", help="engine cost on top of bare target forwards (AR round, 17-node tree)")
     o.add_argument("--context", type=_positive_int, default=200, help="cache length (200)")
     o.add_argument("--repeats", type=_positive_int, default=20)
@@ -100,7 +109,8 @@ def build_parser() -> Parser:
     ds.add_argument("--device", default=None)
     ds.add_argument("--drafter", default=None, help="DFlash or TreeFlash drafter folder (default: the shipped "
                     "TreeFlash drafter, else the DFlash one)")
-    ds.add_argument("--weaver", default=None, help="also measure this Weaver's conditionals (on a DFlash drafter)")
+    ds.add_argument("--weaver", default=None, help="also measure this Weaver's conditionals (default: the shipped one, "
+                    "with the shipped drafter)")
     ds.add_argument("--out", default=None, help="write the metrics as JSON")
     ds.add_argument("--plot", default=None, help="write the depth curves as a PNG")
     ds.add_argument("--no-progress", action="store_true")
@@ -213,8 +223,8 @@ def cmd_generate(args) -> None:
         raise UsageError("the prompt is empty")
     if args.method is None:
         args.method = "ddtree" if "ddtree" in available_methods(args.target, args.drafter) else "pld"
-    if args.method == "tfm" and not args.weaver:
-        raise UsageError("method tfm needs --weaver PATH (a folder written by `treeflash train weaver`)")
+    if args.method == "tfm":
+        _require_weaver(args)
     target = _load_target(args)
     prompt = _encode(target, args.prompt)
     emitted: list[int] = []
@@ -244,17 +254,26 @@ def cmd_generate(args) -> None:
               f"{len(result.tokens) / result.seconds:.1f} tokens/s]", file=sys.stderr)
 
 
+def _require_weaver(args) -> None:
+    from .drafters.tfm import default_weaver_path
+
+    if not (args.weaver or default_weaver_path(args.target, args.drafter)):
+        raise UsageError("method tfm needs --weaver PATH (a folder written by `treeflash train weaver` on the "
+                         "drafter in use)")
+
+
 def available_methods(target: str, drafter: str | None, weaver: str | None = None) -> list[str]:
     """Methods that run without naming a drafter: ar, pld, and the block methods whose drafter is shipped
-    (tfm when a Weaver is named)."""
+    (tfm when a Weaver is named or shipped)."""
     from .drafters.dflash import shipped_drafter
+    from .drafters.tfm import default_weaver_path
 
     methods = ["ar", "pld"]
     if drafter or shipped_drafter(target, "dflash"):
         methods += ["dflash", "ddtree"]
     if shipped_drafter(target, "treeflash"):
         methods.append("treeflash")
-    if weaver and "ddtree" in methods:
+    if (weaver or default_weaver_path(target, drafter)) and "ddtree" in methods:
         methods.append("tfm")
     return methods
 
@@ -267,20 +286,21 @@ def cmd_bench(args) -> None:
     prompts = load_prompts(args.dataset, args.field, args.limit)
     if args.methods is None:
         args.methods = available_methods(args.target, args.drafter, args.weaver)
-    if "tfm" in args.methods and not args.weaver:
-        raise UsageError("method tfm needs --weaver PATH (a folder written by `treeflash train weaver`)")
+    if "tfm" in args.methods:
+        _require_weaver(args)
     target = _load_target(args)
     for p in prompts:
         _encode(target, p)
     started = time.time()
     methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
                         progress=not args.no_progress, drafter_path=args.drafter, weaver_path=args.weaver,
-                        tfm_width=args.tfm_width)
-    report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budget": args.budget,
+                        tfm_widths=args.tfm_width)
+    report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budgets": args.budget,
+              "tfm_widths": args.tfm_width,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "seconds": time.time() - started,
               "methods": methods}
-    print(f"{args.dataset}: {len(prompts)} prompts, budget {args.budget}, T = {args.temperature}, "
+    print(f"{args.dataset}: {len(prompts)} prompts, budget {','.join(map(str, args.budget))}, T = {args.temperature}, "
           f"{args.max_new_tokens} new tokens, target {args.target} ({args.dtype})")
     print(format_table(methods))
     if args.out:
@@ -306,6 +326,7 @@ def cmd_overhead(args) -> None:
 
 def cmd_dist(args) -> None:
     from .drafters.dflash import default_drafter_path, shipped_drafter
+    from .drafters.tfm import default_weaver_path
     from .eval.datasets import load_prompts
     from .eval.dist import distribution_metrics, format_table, plot
     from .models.dflash import DFlashDrafter
@@ -315,10 +336,11 @@ def cmd_dist(args) -> None:
     target = _load_target(args)
     path = args.drafter or shipped_drafter(args.target, "treeflash") or default_drafter_path(args.target, "dflash")
     drafter = DFlashDrafter.from_pretrained(path, dtype=target.model.dtype).attach(target.model).to(target.device)
-    weaver = None
-    if args.weaver:
-        weaver = Weaver.from_pretrained(args.weaver, dtype=target.model.dtype).attach(drafter).to(target.device)
-    report = {"target": args.target, "drafter": str(path), "weaver": args.weaver, "dataset": args.dataset,
+    weaver, weaver_path = None, args.weaver or default_weaver_path(args.target, args.drafter)
+    if weaver_path:
+        weaver = Weaver.from_pretrained(weaver_path, dtype=target.model.dtype).attach(drafter).to(target.device)
+    report = {"target": args.target, "drafter": str(path), "weaver": weaver_path and str(weaver_path),
+              "dataset": args.dataset,
               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "methods": distribution_metrics(target, drafter, prompts, args.max_new_tokens, not args.no_progress,
                                               weaver)}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .clock import now as _now
 from .drafters.base import Drafter
 from .target import Target
 from .verify import Sampling, accept
@@ -35,12 +35,6 @@ class GenerationResult:
     @property
     def seconds(self) -> float:
         return self.prefill_s + sum(r.draft_s + r.verify_s for r in self.rounds)
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def generate(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..clock import now
 from ..models.dflash import DFlashDrafter, DrafterError
 from ..tree import DraftTree
 from ..trees import best_first_tree, chain_tree, opt_tree
@@ -22,11 +23,13 @@ from ..trees import best_first_tree, chain_tree, opt_tree
 # drafters that ship with treeflash, by target name and kind
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED = {("smollm2-135m-instruct", "dflash"): CHECKPOINTS / "smollm2-135m-instruct-dflash",
-           ("smollm2-135m-instruct", "treeflash"): CHECKPOINTS / "smollm2-135m-instruct-treeflash"}
+           ("smollm2-135m-instruct", "treeflash"): CHECKPOINTS / "smollm2-135m-instruct-treeflash",
+           ("smollm2-135m-instruct", "weaver"): CHECKPOINTS / "smollm2-135m-instruct-weaver"}
 
 
 def shipped_drafter(target_name: str, kind: str) -> Path | None:
-    """The folder of the `kind` ("dflash" or "treeflash") drafter shipped for a target, if there is one."""
+    """The folder of the `kind` ("dflash", "treeflash" or "weaver") model shipped for a target, if there is one.
+    The shipped TreeFlash AR layer and Weaver were trained on the shipped DFlash drafter, frozen."""
     path = SHIPPED.get((target_name, kind))
     return path if path is not None and (path / "config.json").exists() else None
 
@@ -87,6 +90,8 @@ class BlockDrafter:
         self.model, self.name = model.eval(), method
         self.build = treeflash_tree(top_m) if method == "treeflash" else marginal_tree(method)
         self.taps = tuple(model.config.target_layer_ids)
+        self.forward_s = 0.0  # cumulative, across sequences: time in the drafter's forward (for `bench`)
+        self.adapter_calls = 0  # cumulative: sequential AR-layer / Weaver calls in tree builds
         self.reset()
 
     def reset(self) -> None:
@@ -107,13 +112,19 @@ class BlockDrafter:
 
     def draft(self, tokens, features) -> torch.Tensor:
         """One drafter forward: pre-norm states [γ - 1, H] of the block after the root tokens[-1]."""
+        start = now(self.model.fc.weight.device)
         if features is not None and len(features):
             self.observe(features)
         assert self.ctx_len == len(tokens) - 1, "the drafter's context must cover every committed position"
-        return self.model.draft_states(tokens[-1], self.ctx_len, self.ctx_kv)
+        h = self.model.draft_states(tokens[-1], self.ctx_len, self.ctx_kv)
+        self.forward_s += now(h.device) - start
+        return h
 
     def propose(self, tokens, features, budget) -> DraftTree:
-        return self.build(self.model, tokens, self.draft(tokens, features), budget)
+        h = self.draft(tokens, features)
+        if self.name == "treeflash":
+            self.adapter_calls += 1  # its AR layer: one batched call whatever the budget
+        return self.build(self.model, tokens, h, budget)
 
 
 def load_block_drafter(method: str, target, path: str | Path | None = None) -> BlockDrafter:

@@ -16,7 +16,7 @@ from ..models.dflash import DFlashDrafter
 from ..models.weaver import BranchCache, Weaver
 from ..tree import DraftTree
 from ..trees import parallel_tree
-from .dflash import BlockDrafter, default_drafter_path
+from .dflash import BlockDrafter, default_drafter_path, shipped_drafter
 
 
 class WeaverRound:
@@ -53,14 +53,22 @@ class WeaverDrafter(BlockDrafter):
     def propose(self, tokens, features, budget) -> DraftTree:
         h = self.draft(tokens, features)
         self.last_round = WeaverRound(self.weaver, h, self.last_feature, capacity=budget + 1)
-        return parallel_tree(tokens[-1], self.last_round.candidates, self.last_round, budget, self.width)
+        tree = parallel_tree(tokens[-1], self.last_round.candidates, self.last_round, budget, self.width)
+        self.adapter_calls += self.last_round.calls
+        return tree
+
+
+def default_weaver_path(target_name: str, drafter_path: str | Path | None) -> Path | None:
+    """The Weaver shipped for the target, which fits only the shipped drafter: None when another is named."""
+    return shipped_drafter(target_name, "weaver") if drafter_path is None else None
 
 
 def load_weaver_drafter(target, drafter_path: str | Path | None, weaver_path: str | Path | None,
                         width: int = 8) -> WeaverDrafter:
+    weaver_path = weaver_path or default_weaver_path(target.name, drafter_path)
     if weaver_path is None:
         raise FileNotFoundError("method tfm needs a Weaver: pass --weaver PATH (a folder written by "
-                                "`treeflash train weaver`)")
+                                "`treeflash train weaver` on this drafter)")
     dtype = target.model.dtype
     model = DFlashDrafter.from_pretrained(drafter_path or default_drafter_path(target.name, "dflash"), dtype=dtype)
     model = model.attach(target.model).to(target.device)

@@ -1,4 +1,8 @@
-"""`treeflash bench`: every method on the same prompts, interleaved, in one run; τ, speed and exactness."""
+"""`treeflash bench`: every method on the same prompts, interleaved, in one run; τ, speed and exactness.
+
+A run can sweep budgets and tfm widths: every (method, budget, width) variant decodes every prompt in the same
+run, so their ratios share the same machine noise. `ar` is the reference (speed and exactness) and runs once.
+"""
 
 from __future__ import annotations
 
@@ -12,34 +16,72 @@ from ..target import Target
 from ..verify import Sampling
 
 
+@dataclass(frozen=True)
+class Variant:
+    method: str
+    budget: int
+    width: int | None = None  # tfm only: nodes expanded per Weaver call
+
+    def name(self, several_budgets: bool, several_widths: bool) -> str:
+        name = self.method
+        if several_budgets and self.method != "ar":
+            name += f"@{self.budget}"
+        if several_widths and self.width is not None:
+            name += f"/w{self.width}"
+        return name
+
+
+def variants(methods: list[str], budgets: list[int], tfm_widths: list[int]) -> list[Variant]:
+    """`ar` first and once (added if missing); every other method at every budget (tfm at every width)."""
+    out = [Variant("ar", budgets[0])]
+    for m in methods:
+        if m == "ar":
+            continue
+        for b in budgets:
+            out += [Variant(m, b, w) for w in tfm_widths] if m == "tfm" else [Variant(m, b)]
+    return out
+
+
 @dataclass
-class MethodTotals:
+class Totals:
     new_tokens: int = 0
     seconds: float = 0.0
     round_tokens: int = 0  # tokens committed in decode rounds (τ's numerator)
     rounds: int = 0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # the drafter's whole turn: its forward and the tree build
+    forward_s: float = 0.0  # of which the block drafter's forward
     verify_s: float = 0.0
+    adapter_calls: int = 0  # sequential AR-layer / Weaver calls
     outputs: list[list[int]] = field(default_factory=list)
 
 
-def run_bench(target: Target, prompts: list[str], methods: list[str], budget: int = 16,
+def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: list[int] = (16,),
               sampling: Sampling = Sampling(), max_new_tokens: int = 128, seed: int = 0,
               progress: bool = True, drafter_path: str | None = None, weaver_path: str | None = None,
-              tfm_width: int = 8) -> dict:
-    """Run `methods` (ar first, added if missing: it is the speed and exactness reference) on every prompt."""
-    methods = ["ar"] + [m for m in methods if m != "ar"]
-    drafters = {m: make_drafter(m, target, drafter_path, weaver_path, tfm_width) for m in methods}
+              tfm_widths: list[int] = (8,)) -> dict:
+    """Run every variant of `methods` x `budgets` (x `tfm_widths` for tfm) on every prompt, interleaved."""
+    runs, drafters, seen = [], {}, set()
+    for v in variants(methods, list(budgets), list(tfm_widths)):
+        drafter = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8)
+        chain = drafter.model.config.block_size - 1 if v.method == "dflash" else None
+        key = (v.method, min(v.budget, chain) if chain else v.budget, v.width)
+        if key not in seen:  # a chain never outgrows its block: larger budgets would draft the same trees
+            seen.add(key)
+            runs.append(v)
+            drafters[v] = drafter
     encoded = [target.encode_prompt(p) for p in prompts]
-    for drafter in drafters.values():  # warm-up: first calls pay for allocations and lazy initialisation
-        generate(target, drafter, encoded[0], max_new_tokens=8, sampling=sampling, budget=budget, seed=seed)
+    for v, drafter in drafters.items():  # warm-up: first calls pay for allocations and lazy initialisation
+        generate(target, drafter, encoded[0], max_new_tokens=8, sampling=sampling, budget=v.budget, seed=seed)
 
-    totals = {m: MethodTotals() for m in methods}
-    bar = tqdm(total=len(encoded) * len(methods), desc="bench", unit="run", disable=not progress, leave=False)
+    totals = {v: Totals() for v in runs}
+    bar = tqdm(total=len(encoded) * len(runs), desc="bench", unit="run", disable=not progress, leave=False)
     for i, prompt in enumerate(encoded):
-        for m in methods:  # interleaved, so that machine noise hits every method alike
-            r = generate(target, drafters[m], prompt, max_new_tokens, sampling, budget, seed=seed + i)
-            t = totals[m]
+        for v in runs:  # interleaved, so that machine noise hits every variant alike
+            drafter, t = drafters[v], totals[v]
+            forward_s, calls = getattr(drafter, "forward_s", 0.0), getattr(drafter, "adapter_calls", 0)
+            r = generate(target, drafter, prompt, max_new_tokens, sampling, v.budget, seed=seed + i)
+            t.forward_s += getattr(drafter, "forward_s", 0.0) - forward_s
+            t.adapter_calls += getattr(drafter, "adapter_calls", 0) - calls
             t.new_tokens += len(r.tokens)
             t.seconds += r.seconds
             t.round_tokens += sum(x.accepted for x in r.rounds)
@@ -50,29 +92,40 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budget: in
             bar.update()
     bar.close()
 
-    ar = totals["ar"]
+    ar = totals[runs[0]]
     ar_tps = ar.new_tokens / ar.seconds
+    several_budgets, several_widths = len(set(budgets)) > 1, len(set(tfm_widths)) > 1
     report = {}
-    for m, t in totals.items():
+    for v, t in totals.items():
         tps = t.new_tokens / t.seconds
-        report[m] = {
+        per_round = 1e3 / max(t.rounds, 1)
+        report[v.name(several_budgets, several_widths)] = {
+            "method": v.method, "budget": None if v.method == "ar" else v.budget, "tfm_width": v.width,
             "tau": t.round_tokens / max(t.rounds, 1),
             "tokens_per_second": tps,
             "speedup_vs_ar": tps / ar_tps,
             "matches_ar": (t.outputs == ar.outputs) if sampling.greedy else None,
             "new_tokens": t.new_tokens,
             "rounds": t.rounds,
-            "draft_ms_per_round": 1e3 * t.draft_s / max(t.rounds, 1),
-            "verify_ms_per_round": 1e3 * t.verify_s / max(t.rounds, 1),
+            "draft_ms_per_round": t.draft_s * per_round,
+            "drafter_forward_ms_per_round": t.forward_s * per_round,
+            "tree_build_ms_per_round": (t.draft_s - t.forward_s) * per_round,
+            "adapter_calls_per_round": t.adapter_calls / max(t.rounds, 1),
+            "verify_ms_per_round": t.verify_s * per_round,
         }
     return report
 
 
 def format_table(methods: dict) -> str:
-    head = f"{'method':<10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'matches_ar':>10} {'new_tokens':>10}"
+    """τ, speed, exactness and the cost of a round: drafter forward, tree build (AR layer / Weaver calls included),
+    target verification (with acceptance and commit)."""
+    head = (f"{'method':<14} {'tau':>6} {'tok/s':>7} {'speedup':>8} {'matches_ar':>10} {'new_tok':>7} "
+            f"{'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9}")
     lines = [head, "-" * len(head)]
     for name, m in methods.items():
         match = "-" if m["matches_ar"] is None else str(m["matches_ar"]).lower()
-        lines.append(f"{name:<10} {m['tau']:>6.2f} {m['tokens_per_second']:>8.2f} {m['speedup_vs_ar']:>7.2f}x "
-                     f"{match:>10} {m['new_tokens']:>10}")
+        lines.append(f"{name:<14} {m['tau']:>6.2f} {m['tokens_per_second']:>7.2f} {m['speedup_vs_ar']:>7.2f}x "
+                     f"{match:>10} {m['new_tokens']:>7} {m['drafter_forward_ms_per_round']:>7.1f} "
+                     f"{m['tree_build_ms_per_round']:>7.1f} {m['adapter_calls_per_round']:>6.1f} "
+                     f"{m['verify_ms_per_round']:>9.1f}")
     return "\n".join(lines)

@@ -9,7 +9,9 @@ those checkpoints load with `from_pretrained` too.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -101,12 +103,12 @@ class DFlashConfig:
         return cls(**kwargs, ar_layer=ar if isinstance(ar, dict) else None, extra=d)
 
 
-def save_checkpoint(model: nn.Module, config: dict, folder: str | Path, dtype: torch.dtype) -> None:
-    """The save_pretrained layout: config.json and model.safetensors (weights cast to `dtype`)."""
+def save_checkpoint(model: nn.Module, config: dict, folder: str | Path, dtype: torch.dtype, prefix: str = "") -> None:
+    """The save_pretrained layout: config.json and model.safetensors (weights cast to `dtype`, names prefixed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    state = {prefix + k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -307,16 +309,30 @@ class DFlashDrafter(nn.Module):
         return self.logits(self.draft_states(root, position, ctx_kv)).float()
 
     # ---- save / load -------------------------------------------------------------------------------------------
-    def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        save_checkpoint(self, self.config.to_json(), folder, dtype)
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+                        backbone: str | Path | None = None) -> None:
+        """config.json + model.safetensors. With `backbone` (the DFlash drafter folder this TreeFlash drafter was
+        trained on, frozen), only the AR layer is saved, and the config points to the backbone (relative path,
+        and the hash of its weights, checked on load): an adapter, as PEFT saves them."""
+        if backbone is None:
+            return save_checkpoint(self, self.config.to_json(), folder, dtype)
+        if self.ar_layer is None:
+            raise ValueError("only a TreeFlash drafter (with an AR layer) can be saved against a backbone")
+        config = self.config.to_json()
+        config["treeflash_config"]["backbone"] = os.path.relpath(Path(backbone).resolve(), Path(folder).resolve())
+        config["treeflash_config"]["backbone_sha256"] = _weights_digest(Path(backbone))
+        save_checkpoint(self.ar_layer, config, folder, dtype, prefix="ar_layer.")
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
         folder = Path(folder)
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
-        config = DFlashConfig.from_json(json.loads((folder / "config.json").read_text()))
-        model = cls(config)
+        raw = json.loads((folder / "config.json").read_text())
+        backbone = (raw.get("treeflash_config") or {}).get("backbone")
+        if backbone is not None:
+            return cls._from_adapter(folder, raw, dtype)
+        model = cls(DFlashConfig.from_json(raw))
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no drafter weights (*.safetensors) in {folder}")
@@ -330,3 +346,35 @@ class DFlashDrafter(nn.Module):
             raise DrafterError(f"drafter weights in {folder} do not match its config: missing {missing[:4]}, "
                              f"unexpected {unexpected[:4]}")
         return model.to(dtype).eval()
+
+    @classmethod
+    def _from_adapter(cls, folder: Path, raw: dict, dtype: torch.dtype) -> "DFlashDrafter":
+        """A TreeFlash drafter saved as its AR layer over a DFlash backbone folder (see save_pretrained)."""
+        tf = raw["treeflash_config"]
+        backbone = (folder / tf["backbone"]).resolve()
+        if not (backbone / "config.json").is_file():
+            raise DrafterError(f"the TreeFlash drafter in {folder} needs its DFlash backbone at {backbone}: not found")
+        if tf.get("backbone_sha256") and tf["backbone_sha256"] != _weights_digest(backbone):
+            raise DrafterError(f"the DFlash backbone at {backbone} is not the one the TreeFlash drafter in {folder} "
+                               "was trained on (its weights changed): retrain with `treeflash train treeflash`")
+        model = cls.from_pretrained(backbone, dtype=torch.float32)
+        if model.ar_layer is not None:
+            raise DrafterError(f"the backbone of {folder} ({backbone}) is itself a TreeFlash drafter")
+        model.add_ar_layer(**tf["ar_approximation"])
+        state = load_file(str(folder / "model.safetensors"))
+        if not all(k.startswith("ar_layer.") for k in state):
+            raise DrafterError(f"{folder} points to a backbone, so it must hold AR-layer weights only")
+        missing, unexpected = model.ar_layer.load_state_dict(
+            {k.removeprefix("ar_layer."): v for k, v in state.items()}, strict=False)
+        if missing or unexpected:
+            raise DrafterError(f"AR-layer weights in {folder} do not match its config: missing {missing[:4]}, "
+                               f"unexpected {unexpected[:4]}")
+        return model.to(dtype).eval()
+
+
+def _weights_digest(folder: Path) -> str:
+    """sha256 over a checkpoint's safetensors files (sorted by name)."""
+    digest = hashlib.sha256()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        digest.update(f.read_bytes())
+    return digest.hexdigest()

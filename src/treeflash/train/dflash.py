@@ -8,6 +8,7 @@ learns the target's distribution of x_{a+k} by forward KL, weighted by exp(-(k-1
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +131,10 @@ def run(args) -> dict:
         with autocast:
             return dflash_loss(model, seq, view, sample_anchors(seq, args.num_anchors, gen), args.kl_topk)
 
-    return launch(args, world, rank, drafter, trainable, data, loss_fn)
+    save = drafter.save_pretrained
+    if args.train_command == "treeflash" and args.freeze_backbone:  # the AR layer only, pointing to the backbone
+        save = functools.partial(drafter.save_pretrained, backbone=args.backbone)
+    return launch(args, world, rank, drafter, trainable, data, loss_fn, save_model=save)
 
 
 def setup(args):
@@ -152,8 +156,9 @@ def setup(args):
 
 
 def launch(args, world: int, rank: int, model: torch.nn.Module, trainable: list, data: list, loss_fn,
-           model_dir: str = "drafter") -> dict:
-    """Write train_args.json and run the shared training loop; the model is saved to `out/model_dir`."""
+           model_dir: str = "drafter", save_model=None) -> dict:
+    """Write train_args.json and run the shared training loop; the model is saved to `out/model_dir` by
+    `save_model(folder)` (default: its save_pretrained)."""
     import json
     from pathlib import Path
 
@@ -168,4 +173,4 @@ def launch(args, world: int, rank: int, model: torch.nn.Module, trainable: list,
             {**vars(args), "world_size": world, "num_sequences": len(data),
              "trained_parameters": sum(p.numel() for p in trainable),
              "drafter_parameters": sum(p.numel() for p in model.parameters())}, indent=2, default=str))
-    return train(model, trainable, data, loss_fn, cfg, model.save_pretrained, resume=not args.no_resume)
+    return train(model, trainable, data, loss_fn, cfg, save_model or model.save_pretrained, resume=not args.no_resume)
