@@ -79,10 +79,12 @@ def test_sampling_rejects_bad_numbers():
 
 @pytest.mark.real
 def test_smollm2_shipped_drafter_matches_ar(smollm2):
-    """The shipped DFlash drafter, as a chain and as a DDTree, reproduces greedy decoding exactly (fp32)."""
+    """The shipped drafters (DFlash as a chain and as a DDTree, TreeFlash, DFlash-TfM with its Weaver) reproduce
+    greedy decoding exactly (fp32)."""
     prompt = smollm2.encode_prompt("Tom has 12 marbles and gives away 5. How many are left? Explain.")
     ar = generate(smollm2, make_drafter("ar"), prompt, 40).tokens
-    for method, budget in (("dflash", 16), ("ddtree", 16), ("ddtree", 5)):
+    for method, budget in (("dflash", 16), ("ddtree", 16), ("ddtree", 5), ("treeflash", 16), ("treeflash", 64),
+                           ("tfm", 16)):
         result = generate(smollm2, make_drafter(method, smollm2), prompt, 40, budget=budget)
         assert result.tokens == ar, method
         assert result.tau > 1.0  # the trained drafter gets tokens accepted

@@ -120,6 +120,7 @@ class BlockDrafter:
         self.forward_s += now(h.device) - start
         return h
 
+    @torch.no_grad()
     def propose(self, tokens, features, budget) -> DraftTree:
         h = self.draft(tokens, features)
         if self.name == "treeflash":
@@ -127,7 +128,20 @@ class BlockDrafter:
         return self.build(self.model, tokens, h, budget)
 
 
+def drafting_dtype(device: torch.device) -> torch.dtype:
+    """Drafts need no exactness (the target verifies every token), so drafters run in bf16 (their storage dtype)
+    where the hardware multiplies bf16 natively: 3-4x faster than fp32 on such CPUs. fp32 elsewhere."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    except AttributeError:  # not reported by this torch build: stay safe
+        native = False
+    return torch.bfloat16 if native else torch.float32
+
+
 def load_block_drafter(method: str, target, path: str | Path | None = None) -> BlockDrafter:
     kind = "treeflash" if method == "treeflash" else "dflash"
-    model = DFlashDrafter.from_pretrained(path or default_drafter_path(target.name, kind), dtype=target.model.dtype)
+    model = DFlashDrafter.from_pretrained(path or default_drafter_path(target.name, kind),
+                                          dtype=drafting_dtype(target.device))
     return BlockDrafter(model.attach(target.model).to(target.device), method)

@@ -16,7 +16,7 @@ from ..models.dflash import DFlashDrafter
 from ..models.weaver import BranchCache, Weaver
 from ..tree import DraftTree
 from ..trees import parallel_tree
-from .dflash import BlockDrafter, default_drafter_path, shipped_drafter
+from .dflash import BlockDrafter, default_drafter_path, drafting_dtype, shipped_drafter
 
 
 class WeaverRound:
@@ -69,7 +69,7 @@ def load_weaver_drafter(target, drafter_path: str | Path | None, weaver_path: st
     if weaver_path is None:
         raise FileNotFoundError("method tfm needs a Weaver: pass --weaver PATH (a folder written by "
                                 "`treeflash train weaver` on this drafter)")
-    dtype = target.model.dtype
+    dtype = drafting_dtype(target.device)
     model = DFlashDrafter.from_pretrained(drafter_path or default_drafter_path(target.name, "dflash"), dtype=dtype)
     model = model.attach(target.model).to(target.device)
     return WeaverDrafter(model, Weaver.from_pretrained(weaver_path, dtype=dtype).to(target.device), width)

@@ -105,6 +105,8 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             "tokens_per_second": tps,
             "speedup_vs_ar": tps / ar_tps,
             "matches_ar": (t.outputs == ar.outputs) if sampling.greedy else None,
+            # at T = 0: prompts whose output equals ar's (bf16: batched rounding can flip a near-tie)
+            "prompts_matching_ar": sum(o == a for o, a in zip(t.outputs, ar.outputs)) if sampling.greedy else None,
             "new_tokens": t.new_tokens,
             "rounds": t.rounds,
             "draft_ms_per_round": t.draft_s * per_round,

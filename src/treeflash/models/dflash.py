@@ -203,6 +203,7 @@ class DFlashDrafter(nn.Module):
         if c.mask_token_id is None:
             self.mask_embedding = nn.Parameter(0.02 * torch.randn(c.hidden_size))
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered as submodules
+        self._head_cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (the head's weight, its cast copy)
         self.apply(self._init)
         self.ar_layer = None
         if c.ar_layer:
@@ -291,8 +292,15 @@ class DFlashDrafter(nn.Module):
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, then the target's LM head."""
-        return self.lm_head(self.norm(h).to(self.lm_head.weight.dtype))
+        """Final norm, then the target's LM head, in the drafter's dtype: a bf16 drafter over an fp32 target
+        multiplies by a bf16 copy of the head (made once), the costliest product of a drafting round."""
+        x = self.norm(h).to(self.fc.weight.dtype)
+        head = self.lm_head
+        if head.weight.dtype == x.dtype:
+            return head(x.to(head.weight.dtype))
+        if self._head_cast is None or self._head_cast[0] is not head.weight:
+            self._head_cast = (head.weight, head.weight.detach().to(x.dtype))
+        return F.linear(x, self._head_cast[1], getattr(head, "bias", None))
 
     @torch.no_grad()
     def draft_states(self, root: int, position: int, ctx_kv) -> torch.Tensor:
