@@ -124,3 +124,19 @@ def test_gdn_bench_json(capsys):
         assert row["max_abs_err"] < 1e-4
         assert row["speedup_vs_branch_recurrent"] > 0 and row["speedup_vs_node_recurrent"] > 0
         assert row["stash_bytes"] < row["full_state_bytes"]
+
+
+def test_available_methods_follow_the_drafter(tmp_path):
+    from treeflash.cli import available_methods
+    from treeflash.models.dflash import DFlashConfig, DFlashDrafter
+
+    assert available_methods("smollm2-135m-instruct", None) == ["ar", "pld", "dflash", "ddtree", "treeflash", "tfm"]
+    config = DFlashConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=8, vocab_size=50, num_target_layers=2,
+                          target_layer_ids=[0, 1], block_size=4)
+    drafter = DFlashDrafter(config)
+    drafter.save_pretrained(tmp_path / "dflash")
+    drafter.add_ar_layer().save_pretrained(tmp_path / "treeflash")
+    assert available_methods("smollm2-135m-instruct", str(tmp_path / "dflash")) == ["ar", "pld", "dflash", "ddtree"]
+    assert "treeflash" in available_methods("smollm2-135m-instruct", str(tmp_path / "treeflash"))
+    assert "tfm" in available_methods("smollm2-135m-instruct", str(tmp_path / "dflash"), weaver="w")

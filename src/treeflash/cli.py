@@ -79,7 +79,7 @@ def build_parser() -> Parser:
     g = sub.add_parser("generate", help="generate text for one prompt, streamed")
     g.add_argument("prompt")
     g.add_argument("--method", default=None, choices=list(METHODS),
-                   help="decoding method (default: ddtree with the shipped drafter, else pld)")
+                   help="decoding method (default: treeflash with the shipped drafter, else ddtree, else pld)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_decoding_args(g)
 
@@ -221,8 +221,9 @@ def cmd_generate(args) -> None:
     sampling = _sampling(args)
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
-    if args.method is None:
-        args.method = "ddtree" if "ddtree" in available_methods(args.target, args.drafter) else "pld"
+    if args.method is None:  # the fastest method available for the target (see the model cards' benchmarks)
+        available = available_methods(args.target, args.drafter)
+        args.method = next(m for m in ("treeflash", "ddtree", "pld") if m in available)
     if args.method == "tfm":
         _require_weaver(args)
     target = _load_target(args)
@@ -263,15 +264,22 @@ def _require_weaver(args) -> None:
 
 
 def available_methods(target: str, drafter: str | None, weaver: str | None = None) -> list[str]:
-    """Methods that run without naming a drafter: ar, pld, and the block methods whose drafter is shipped
-    (tfm when a Weaver is named or shipped)."""
+    """The methods that can run: ar, pld, and the block methods of the named drafter (else of the drafters shipped
+    for the target): treeflash needs an AR layer, tfm a Weaver (named, or shipped with the shipped drafter)."""
+    from pathlib import Path
+
     from .drafters.dflash import shipped_drafter
     from .drafters.tfm import default_weaver_path
 
     methods = ["ar", "pld"]
     if drafter or shipped_drafter(target, "dflash"):
         methods += ["dflash", "ddtree"]
-    if shipped_drafter(target, "treeflash"):
+    if drafter:
+        config = Path(drafter, "config.json")
+        has_ar_layer = config.is_file() and "treeflash_config" in json.loads(config.read_text())
+    else:
+        has_ar_layer = shipped_drafter(target, "treeflash") is not None
+    if has_ar_layer:
         methods.append("treeflash")
     if (weaver or default_weaver_path(target, drafter)) and "ddtree" in methods:
         methods.append("tfm")
