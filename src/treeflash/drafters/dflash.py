@@ -75,7 +75,7 @@ def conditional_tables(model: DFlashDrafter, tokens: list[int], h: torch.Tensor,
     return cand, torch.softmax(logits, dim=-1) * probs.sum(-1)[:, None, None]
 
 
-def treeflash_tree(top_m: int = 16):
+def treeflash_tree(top_m: int = 32):
     def build(model, tokens, h, budget) -> DraftTree:
         cand, cond = conditional_tables(model, tokens, h, top_m)
         return opt_tree(tokens[-1], cand, cond, budget)
@@ -83,7 +83,10 @@ def treeflash_tree(top_m: int = 16):
 
 
 class BlockDrafter:
-    def __init__(self, model: DFlashDrafter, method: str = "ddtree", top_m: int = 16):
+    """`top_m`: TreeFlash's candidates per depth (the AR layer runs on (γ-1) x M pairs). 32 rather than 16: on
+    SmolLM2 it raised τ at B = 64 by 6.5 % and at B = 16 by 1 % (5 GSM8K prompts), for a few ms per round."""
+
+    def __init__(self, model: DFlashDrafter, method: str = "ddtree", top_m: int = 32):
         if method == "treeflash" and model.ar_layer is None:
             raise DrafterError("method treeflash needs a TreeFlash drafter (with an AR layer): "
                                "train one with `treeflash train treeflash`")
