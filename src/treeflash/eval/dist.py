@@ -105,10 +105,10 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_tvd, ax_cov) = plt.subplots(1, 2, figsize=(10, 4))
-    for kind, r in report.items():
-        ax_tvd.plot(r["depth"], r["tvd"], marker="o", label=kind)
-        ax_cov.plot(r["depth"], r["top1_coverage"], marker="o", label=f"{kind} top-1")
-        ax_cov.plot(r["depth"], r["top5_coverage"], marker="x", linestyle="--", label=f"{kind} top-5")
+    for i, (kind, r) in enumerate(report.items()):  # one colour per kind in both panels
+        ax_tvd.plot(r["depth"], r["tvd"], marker="o", color=f"C{i}", label=kind)
+        ax_cov.plot(r["depth"], r["top1_coverage"], marker="o", color=f"C{i}", label=f"{kind} top-1")
+        ax_cov.plot(r["depth"], r["top5_coverage"], marker="x", linestyle="--", color=f"C{i}", label=f"{kind} top-5")
     ax_tvd.set(xlabel="depth", ylabel="TVD to the target", title="total-variation distance", ylim=(0, 1))
     ax_cov.set(xlabel="depth", ylabel="coverage", title="target token in drafter top-k", ylim=(0, 1))
     for ax in (ax_tvd, ax_cov):
