@@ -60,9 +60,11 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
               progress: bool = True, drafter_path: str | None = None, weaver_path: str | None = None,
               tfm_widths: list[int] = (8,)) -> dict:
     """Run every variant of `methods` x `budgets` (x `tfm_widths` for tfm) on every prompt, interleaved."""
-    runs, drafters, seen = [], {}, set()
+    runs, drafters, loaded, seen = [], {}, {}, set()
     for v in variants(methods, list(budgets), list(tfm_widths)):
-        drafter = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8)
+        if (v.method, v.width) not in loaded:  # one drafter per method and width, shared by every budget
+            loaded[v.method, v.width] = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8)
+        drafter = loaded[v.method, v.width]
         chain = drafter.model.config.block_size - 1 if v.method == "dflash" else None
         key = (v.method, min(v.budget, chain) if chain else v.budget, v.width)
         if key not in seen:  # a chain never outgrows its block: larger budgets would draft the same trees

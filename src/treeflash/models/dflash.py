@@ -297,7 +297,7 @@ class DFlashDrafter(nn.Module):
         x = self.norm(h).to(self.fc.weight.dtype)
         head = self.lm_head
         if head.weight.dtype == x.dtype:
-            return head(x.to(head.weight.dtype))
+            return head(x)
         if self._head_cast is None or self._head_cast[0] is not head.weight:
             self._head_cast = (head.weight, head.weight.detach().to(x.dtype))
         return F.linear(x, self._head_cast[1], getattr(head, "bias", None))
