@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from treeflash.cli import main
+from treeflash.train.data import load_regen
 from treeflash.train.dflash import Sequence, block_mask, dflash_loss, sample_anchors, target_view
 from treeflash.train.losses import cosine_lr, forward_kl, position_weights
 
@@ -122,6 +123,26 @@ def test_regen_is_batched_and_resumable(tmp_path, tiny_folder):  # noqa: F811
     assert len(list((tmp_path / "regen").glob("shard-*.jsonl"))) == 3
 
 
+def test_regen_samples_at_a_temperature_and_training_reads_several_folders(tmp_path, tiny_folder):  # noqa: F811
+    data = tmp_path / "data"
+    (data / "gsm8k").mkdir(parents=True)
+    (data / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n"
+                                                        for i in range(4)))
+
+    def regen(out, *extra):
+        assert main(["data", "regen", "--target", tiny_folder, "--data-dir", str(data), "--sources", "gsm8k",
+                     "--out", str(out), "--batch-size", "4", "--max-new-tokens", "8", "--dtype", "float32",
+                     *extra]) == 0
+        return {r["id"]: r for r in load_regen(out)}
+
+    greedy, sampled = regen(tmp_path / "greedy"), regen(tmp_path / "t1", "--temperature", "1", "--seed", "3")
+    assert {r["temperature"] for r in greedy.values()} == {0.0} and {r["temperature"] for r in sampled.values()} == {1.0}
+    assert any(sampled[i]["response_ids"] != greedy[i]["response_ids"] for i in greedy)  # a random tiny model
+    assert regen(tmp_path / "again", "--temperature", "1", "--seed", "3") == sampled  # seeded: reproducible
+    both = load_regen(f"{tmp_path / 'greedy'},{tmp_path / 't1'}")
+    assert len(both) == 8 and [r["temperature"] for r in both] == [0.0] * 4 + [1.0] * 4
+
+
 def test_regen_refuses_a_missing_prompt_set(tmp_path, capsys):
     assert main(["data", "regen", "--data-dir", str(tmp_path), "--sources", "gsm8k"]) == 2
     assert "no such file" in capsys.readouterr().err
@@ -145,6 +166,13 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
     from safetensors.torch import load_file
 
     assert all(k.startswith("ar_layer.") for k in load_file(str(tmp_path / "tf" / "drafter" / "model.safetensors")))
+    # a TreeFlash drafter as --backbone: its AR layer trains further, still saved against the DFlash backbone
+    more = [*args[:3], str(tmp_path / "tf" / "drafter"), *args[4:]]
+    more[more.index("--out") + 1] = str(tmp_path / "tf2")
+    assert main(more) == 0
+    again = DFlashDrafter.from_pretrained(tmp_path / "tf2" / "drafter")
+    assert again.backbone_folder == backbone.resolve()
+    assert not torch.equal(again.ar_layer.out_proj.weight, after.ar_layer.out_proj.weight)
     changed = DFlashDrafter.from_pretrained(backbone)
     torch.nn.init.zeros_(changed.fc.weight)
     changed.save_pretrained(backbone)

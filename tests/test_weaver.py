@@ -206,6 +206,14 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     assert len(open(out / "log.jsonl").readlines()) == 2
     for k, v in DFlashDrafter.from_pretrained(tmp_path / "tf").state_dict().items():  # the backbone is untouched
         torch.testing.assert_close(v, backbone.state_dict()[k], atol=0, rtol=0)
+    more = [*args, "--init", str(out / "weaver")]  # go on training it: starts from its weights, keeps its K
+    more[more.index("--out") + 1], more[more.index("--top-k") + 1] = str(tmp_path / "more"), "32"
+    more[more.index("--steps") + 1] = "1"
+    assert main(more) == 0
+    further = Weaver.from_pretrained(tmp_path / "more" / "weaver")
+    assert further.config.top_k == 64
+    step = (further.out_proj.weight - weaver.out_proj.weight).abs().max()
+    assert 0 < step < weaver.out_proj.weight.abs().max()  # one small step from the init, not a fresh start
 
     report_path, png = tmp_path / "dist.json", tmp_path / "dist.png"
     assert main(["dist", "--target", tiny_folder, "--drafter", str(tmp_path / "tf"), "--weaver", str(out / "weaver"),

@@ -28,6 +28,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _methods(text: str) -> list[str]:
     from .drafters import METHODS
 
@@ -140,7 +147,9 @@ def build_parser() -> Parser:
     rg.add_argument("--target", default=DEFAULT_TARGET)
     rg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     rg.add_argument("--device", default=None)
-    rg.add_argument("--seed", type=int, default=0)
+    rg.add_argument("--seed", type=int, default=0, help="prompt order, and the samples at temperature > 0")
+    rg.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                    help="0: greedy answers (default); > 0: the target's samples at this temperature")
 
     tr = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True,
                                                                        parser_class=Parser)
@@ -150,7 +159,8 @@ def build_parser() -> Parser:
     td.add_argument("--intermediate-size", type=_positive_int, default=None, help="MLP width (the target's)")
     td.add_argument("--block-size", type=_positive_int, default=16)
     tt = tr.add_parser("treeflash", help="train TreeFlash's AR layer on a DFlash backbone (torchrun for DDP)")
-    tt.add_argument("--backbone", required=True, help="DFlash drafter folder to start from")
+    tt.add_argument("--backbone", required=True,
+                    help="DFlash drafter folder to start from (a TreeFlash drafter: train its AR layer further)")
     tt.add_argument("--freeze-backbone", action="store_true", help="train the AR layer only")
     tt.add_argument("--ar-kind", default="swiglu", choices=["swiglu", "linear"])
     tt.add_argument("--prev-tokens", type=int, default=1, choices=[1, 2], help="previous tokens conditioned on")
@@ -161,10 +171,12 @@ def build_parser() -> Parser:
     tw.add_argument("--weaver-layers", type=_positive_int, default=1, help="causal attention layers (1)")
     tw.add_argument("--heads", type=_positive_int, default=None, help="attention heads (the drafter's)")
     tw.add_argument("--top-k", type=_positive_int, default=512, help="candidates per depth, K (512)")
+    tw.add_argument("--init", default=None, help="a trained Weaver folder to go on training (its sizes are kept)")
     for t in (td, tt):
         t.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
     for t, out in ((td, "runs/dflash"), (tt, "runs/treeflash"), (tw, "runs/weaver")):
-        t.add_argument("--data", default="data/regen", help="folder written by `treeflash data regen`")
+        t.add_argument("--data", default="data/regen",
+                       help="folder written by `treeflash data regen`, or several separated by commas")
         t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, {'weaver' if t is tw else 'drafter'}/ ({out})")
         t.add_argument("--target", default=DEFAULT_TARGET)
         t.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -381,7 +393,7 @@ def cmd_data(args) -> None:
     if args.limit:
         prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
     report = regenerate(_load_target(args), prompts, Path(args.out), args.max_new_tokens, args.batch_size,
-                        seed=args.seed)
+                        seed=args.seed, temperature=args.temperature)
     print(json.dumps(report))
 
 

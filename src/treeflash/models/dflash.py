@@ -377,6 +377,7 @@ class DFlashDrafter(nn.Module):
         if missing or unexpected:
             raise DrafterError(f"AR-layer weights in {folder} do not match its config: missing {missing[:4]}, "
                                f"unexpected {unexpected[:4]}")
+        model.backbone_folder = backbone  # where further training saves its AR layer against
         return model.to(dtype).eval()
 
 

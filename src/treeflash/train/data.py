@@ -71,8 +71,10 @@ def write_shard(out_dir: Path, rows: list[dict]) -> Path:
 
 
 @torch.inference_mode()
-def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy answers for a batch of prompts (left padded), each cut after its first EOS."""
+def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int,
+                   temperature: float = 0.0) -> list[list[int]]:
+    """Answers for a batch of prompts (left padded), each cut after its first EOS: greedy at temperature 0, else
+    plain samples of the target at that temperature (no top-k / top-p, whatever the model's generation config)."""
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(target.eos_ids)
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -80,9 +82,11 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
+                else dict(do_sample=False))
     out = target.model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                eos_token_id=sorted(target.eos_ids))
+                                max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                eos_token_id=sorted(target.eos_ids), **sampling)
     answers = []
     for row in out[:, width:].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in target.eos_ids), len(row))
@@ -91,8 +95,11 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
 
 
 def regenerate(target: Target, prompts: list[tuple[str, str]], out_dir: Path, max_new_tokens: int = 256,
-               batch_size: int = 32, max_prompt_tokens: int = 512, seed: int = 0) -> dict:
-    """Write the target's answers for `prompts` as JSONL shards in `out_dir`; returns throughput figures."""
+               batch_size: int = 32, max_prompt_tokens: int = 512, seed: int = 0, temperature: float = 0.0) -> dict:
+    """Write the target's answers for `prompts` as JSONL shards in `out_dir`; returns throughput figures.
+
+    Greedy answers (temperature 0) only ever show a drafter previous tokens that are the target's argmax; sampled
+    ones (temperature 1) also show it the other tokens that tree branches and T > 0 decoding condition on."""
     out_dir.mkdir(parents=True, exist_ok=True)
     skip = done_ids(out_dir)
     todo = [(i, p) for i, p in prompts if i not in skip]
@@ -100,14 +107,15 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], out_dir: Path, ma
     encoded = [(i, target.encode_prompt(p)) for i, p in todo]
     encoded = [(i, ids) for i, ids in encoded if len(ids) <= max_prompt_tokens]
     tokens, started = 0, time.time()
+    torch.manual_seed(seed)
     bar = tqdm(total=len(encoded), desc="regen", unit="prompt")
     # sort each group of 8 batches by prompt length: less padding, order still mixed across the run
     for g in range(0, len(encoded), 8 * batch_size):
         group = sorted(encoded[g:g + 8 * batch_size], key=lambda x: len(x[1]))
         for b in range(0, len(group), batch_size):
             batch = group[b:b + batch_size]
-            answers = generate_batch(target, [ids for _, ids in batch], max_new_tokens)
-            write_shard(out_dir, [{"id": i, "prompt_ids": ids, "response_ids": a}
+            answers = generate_batch(target, [ids for _, ids in batch], max_new_tokens, temperature)
+            write_shard(out_dir, [{"id": i, "prompt_ids": ids, "response_ids": a, "temperature": temperature}
                                   for (i, ids), a in zip(batch, answers)])
             tokens += sum(map(len, answers))
             bar.update(len(batch))
@@ -118,9 +126,12 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], out_dir: Path, ma
             "tokens_per_second": tokens / max(seconds, 1e-9)}
 
 
-def load_regen(data_dir: Path) -> list[dict]:
-    """All regenerated samples in a folder of shards, in a fixed order."""
-    rows = [row for shard in sorted(Path(data_dir).glob("shard-*.jsonl")) for row in read_jsonl(shard)]
-    if not rows:
-        raise DatasetError(f"no regenerated data in {data_dir} (run `treeflash data regen` first)")
-    return sorted(rows, key=lambda r: r["id"])
+def load_regen(data_dirs: str | Path) -> list[dict]:
+    """All regenerated samples in one folder of shards, or several separated by commas, in a fixed order."""
+    rows = []
+    for data_dir in str(data_dirs).split(","):
+        found = [row for shard in sorted(Path(data_dir).glob("shard-*.jsonl")) for row in read_jsonl(shard)]
+        if not found:
+            raise DatasetError(f"no regenerated data in {data_dir} (run `treeflash data regen` first)")
+        rows += sorted(found, key=lambda r: r["id"])
+    return rows

@@ -101,7 +101,8 @@ def run(args) -> dict:
     """`treeflash train dflash` and `treeflash train treeflash` (see cli.py for the arguments).
 
     TreeFlash starts from a trained DFlash backbone (--backbone), adds a zero-initialised AR layer and trains it,
-    alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing."""
+    alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing. A TreeFlash
+    drafter as --backbone continues: its AR layer is trained further (the --ar-* options are then its own)."""
     from pathlib import Path
 
     from ..models.dflash import DFlashConfig
@@ -110,8 +111,11 @@ def run(args) -> dict:
     rank, world, target = setup(args)
     if args.train_command == "treeflash":
         drafter = DFlashDrafter.from_pretrained(args.backbone).attach(target.model).to(target.device)
+        # a TreeFlash drafter as --backbone goes on training its AR layer; an adapter is saved against its backbone
+        saved_against = getattr(drafter, "backbone_folder", None)
         if drafter.ar_layer is None:
             drafter.add_ar_layer(args.ar_kind, args.prev_tokens, args.ar_intermediate_size)
+            saved_against = args.backbone
         trainable = list((drafter.ar_layer if args.freeze_backbone else drafter).parameters())
     else:
         config = DFlashConfig.for_target(target.config, num_layers=args.layers, num_taps=args.taps,
@@ -132,8 +136,8 @@ def run(args) -> dict:
             return dflash_loss(model, seq, view, sample_anchors(seq, args.num_anchors, gen), args.kl_topk)
 
     save = drafter.save_pretrained
-    if args.train_command == "treeflash" and args.freeze_backbone:  # the AR layer only, pointing to the backbone
-        save = functools.partial(drafter.save_pretrained, backbone=args.backbone)
+    if args.train_command == "treeflash" and args.freeze_backbone and saved_against is not None:
+        save = functools.partial(drafter.save_pretrained, backbone=saved_against)  # the AR layer only
     return launch(args, world, rank, drafter, trainable, data, loss_fn, save_model=save)
 
 

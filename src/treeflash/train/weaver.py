@@ -77,8 +77,11 @@ def run(args) -> dict:
     rank, world, target = setup(args)
     drafter = DFlashDrafter.from_pretrained(args.backbone).attach(target.model).to(target.device).eval()
     drafter.requires_grad_(False)
-    config = WeaverConfig.for_drafter(drafter.config, args.width, args.weaver_layers, args.heads, args.top_k)
-    weaver = Weaver(config).attach(drafter).to(target.device)
+    if args.init:  # go on training a Weaver (its own sizes, not --width etc.)
+        weaver = Weaver.from_pretrained(args.init).attach(drafter).to(target.device).train()
+    else:
+        config = WeaverConfig.for_drafter(drafter.config, args.width, args.weaver_layers, args.heads, args.top_k)
+        weaver = Weaver(config).attach(drafter).to(target.device)
     data = sequences(load_regen(Path(args.data)), args.max_len, drafter.config.block_size)
     taps = drafter.config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
