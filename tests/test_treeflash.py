@@ -140,3 +140,12 @@ def test_dist_command_reports_both_kinds(tmp_path, tiny_folder, capsys):  # noqa
     # a fresh AR layer is the identity: both kinds measure the same distributions
     assert report["dflash"]["tvd"] == pytest.approx(report["treeflash"]["tvd"], abs=1e-6)
     assert png.stat().st_size > 1000
+    # T = 1: sampled continuations; coverage is the target's mass on the drafter's top k, so rarely 0 or 1 exactly
+    assert main(["dist", "--target", tiny_folder, "--drafter", str(tmp_path / "tf"), "--limit", "2", "--temperature",
+                 "1", "--max-new-tokens", "6", "--out", str(out), "--no-progress"]) == 0
+    sampled = json.loads(out.read_text())
+    assert sampled["temperature"] == 1.0
+    r = sampled["methods"]["dflash"]
+    assert all(0 < c < 1 for c in r["top1_coverage"] + r["top5_coverage"])
+    assert all(a < b for a, b in zip(r["top1_coverage"], r["top5_coverage"]))
+    assert sampled["methods"]["treeflash"]["top5_coverage"] == pytest.approx(r["top5_coverage"], abs=1e-6)

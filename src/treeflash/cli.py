@@ -118,6 +118,9 @@ def build_parser() -> Parser:
                     "TreeFlash drafter, else the DFlash one)")
     ds.add_argument("--weaver", default=None, help="also measure this Weaver's conditionals (default: the shipped one, "
                     "with the shipped drafter)")
+    ds.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                    help="continuations sampled at this temperature, coverage of its distribution (0: greedy)")
+    ds.add_argument("--seed", type=int, default=0)
     ds.add_argument("--out", default=None, help="write the metrics as JSON")
     ds.add_argument("--plot", default=None, help="write the depth curves as a PNG")
     ds.add_argument("--no-progress", action="store_true")
@@ -360,10 +363,10 @@ def cmd_dist(args) -> None:
     if weaver_path:
         weaver = Weaver.from_pretrained(weaver_path, dtype=target.model.dtype).attach(drafter).to(target.device)
     report = {"target": args.target, "drafter": str(path), "weaver": weaver_path and str(weaver_path),
-              "dataset": args.dataset,
-              "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "seed": args.seed,
               "methods": distribution_metrics(target, drafter, prompts, args.max_new_tokens, not args.no_progress,
-                                              weaver)}
+                                              weaver, args.temperature, args.seed)}
     print(format_table(report["methods"]))
     if args.out:
         with open(args.out, "w") as f:

@@ -1,9 +1,10 @@
 """`treeflash dist`: how far the drafter's distributions are from the target's, depth by depth.
 
-Along the target's own greedy continuation of each prompt, every position is an anchor; at depth d the drafter's
-distribution for the token d steps ahead is compared with the target's (teacher-forced) distribution there:
-total-variation distance, and top-k coverage (the probability that the target's own token is among the
-drafter's k most likely). The DFlash marginals and, for a TreeFlash drafter, the AR layer's conditionals (given
+Along the target's own continuation of each prompt (greedy, or sampled at `temperature`), every position is an
+anchor; at depth d the drafter's distribution for the token d steps ahead is compared with the target's
+(teacher-forced) distribution there: total-variation distance (to the target's plain softmax, the one drafters
+are trained on), and top-k coverage, the probability that the target's token is among the drafter's k most likely:
+at T = 0 whether the target's argmax is, at T > 0 the mass of the target's tempered distribution on them. The DFlash marginals and, for a TreeFlash drafter, the AR layer's conditionals (given
 the true previous token) are measured on the same anchors; with a Weaver, its conditionals too (given the true
 branch, as in training).
 
@@ -22,6 +23,7 @@ from ..engine import generate
 from ..models.dflash import DFlashDrafter
 from ..models.weaver import Weaver
 from ..target import Target
+from ..verify import Sampling
 from ..train.dflash import Sequence, blocks, target_view
 from ..train.weaver import weaver_logits
 
@@ -30,15 +32,16 @@ COVERAGE_K = (1, 5)
 
 @torch.no_grad()
 def depth_stats(drafter: DFlashDrafter, seq: Sequence, target_logp: torch.Tensor, taps: torch.Tensor,
-                kind: str, chunk: int = 32, weaver: Weaver | None = None) -> dict[str, torch.Tensor]:
+                kind: str, chunk: int = 32, weaver: Weaver | None = None,
+                temperature: float = 0.0) -> dict[str, torch.Tensor]:
     """Sums over all anchors of the answer, per depth 1..γ-1: TVD, top-k hits, and the anchors counted.
     kind: "dflash" (marginals), "treeflash" (AR-layer conditionals) or "weaver" (`weaver`'s conditionals)."""
-    parts = [_anchor_stats(drafter, seq, target_logp, taps, kind, a, weaver)
+    parts = [_anchor_stats(drafter, seq, target_logp, taps, kind, a, weaver, temperature)
              for a in torch.arange(seq.prompt_len, len(seq.tokens) - 1).split(chunk)]
     return {k: sum(p[k] for p in parts) for k in parts[0]}
 
 
-def _anchor_stats(drafter, seq, target_logp, taps, kind, anchors, weaver) -> dict[str, torch.Tensor]:
+def _anchor_stats(drafter, seq, target_logp, taps, kind, anchors, weaver, temperature) -> dict[str, torch.Tensor]:
     g, S = drafter.config.block_size, len(seq.tokens)
     positions, mask, predicted = blocks(anchors, S, g)
     valid = predicted < S
@@ -53,26 +56,33 @@ def _anchor_stats(drafter, seq, target_logp, taps, kind, anchors, weaver) -> dic
             prev = seq.tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
         h = drafter(seq.tokens[anchors], positions, taps, mask, prev)
         q = torch.softmax(drafter.logits(h).float(), dim=-1)  # [N, γ-1, V]
-    p = target_logp[(predicted - 1).clamp(max=S - 1)].exp()
-    truth = p.argmax(-1)  # the target's own (greedy) token at each predicted position
+    logp = target_logp[(predicted - 1).clamp(max=S - 1)]
+    p = logp.exp()
     out = {"tvd": (0.5 * (p - q).abs().sum(-1) * valid).sum(0), "count": valid.sum(0).float()}
     ranks = q.topk(max(COVERAGE_K), dim=-1).indices
+    decoded = Sampling(temperature).probs(logp) if temperature > 0 else None  # what the target draws from
     for k in COVERAGE_K:
-        out[f"top{k}"] = ((ranks[..., :k] == truth[..., None]).any(-1) * valid).sum(0).float()
+        if decoded is None:  # greedy: is the target's argmax among the drafter's top k
+            hit = (ranks[..., :k] == p.argmax(-1, keepdim=True)).any(-1).float()
+        else:
+            hit = decoded.gather(-1, ranks[..., :k]).sum(-1)
+        out[f"top{k}"] = (hit * valid).sum(0)
     return out
 
 
 def distribution_metrics(target: Target, drafter: DFlashDrafter, prompts: list[str], max_new_tokens: int = 128,
-                         progress: bool = True, weaver: Weaver | None = None) -> dict:
+                         progress: bool = True, weaver: Weaver | None = None, temperature: float = 0.0,
+                         seed: int = 0) -> dict:
     kinds = ["dflash"] + (["treeflash"] if drafter.ar_layer is not None else []) + (["weaver"] if weaver else [])
     totals: dict[str, dict[str, torch.Tensor]] = {}
-    for text in tqdm(prompts, desc="dist", disable=not progress, leave=False):
+    for i, text in enumerate(tqdm(prompts, desc="dist", disable=not progress, leave=False)):
         prompt = target.encode_prompt(text)
-        answer = generate(target, make_drafter("ar"), prompt, max_new_tokens).tokens
+        answer = generate(target, make_drafter("ar"), prompt, max_new_tokens, Sampling(temperature), seed=seed + i).tokens
         seq = Sequence(torch.tensor(prompt + answer), len(prompt))
         view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
         for kind in kinds:
-            stats = depth_stats(drafter, seq, view.logp, view.taps.to(drafter.fc.weight.dtype), kind, weaver=weaver)
+            stats = depth_stats(drafter, seq, view.logp, view.taps.to(drafter.fc.weight.dtype), kind, weaver=weaver,
+                                temperature=temperature)
             acc = totals.setdefault(kind, {k: torch.zeros_like(v) for k, v in stats.items()})
             for k, v in stats.items():
                 acc[k] += v
