@@ -66,6 +66,25 @@ def test_conditionals_depend_on_the_previous_token():
     assert (cond.sum(-1) <= 1 + 1e-5).all()
 
 
+@pytest.mark.parametrize("top_n", [0, 10, 96])
+def test_conditional_tables_against_full_vocabulary_softmax(top_n):
+    """The plain reference: each pair's AR-conditioned full-vocabulary softmax at the candidates. Normalising over
+    the whole vocabulary (N = V) is exact; a fresh AR layer gives the marginals for every N."""
+    target = tiny_target("llama")
+    model, h, root = treeflash_drafter(target), torch.randn(7, 64), 4
+    cand, cond = conditional_tables(model, [8, root], h, top_m=6, top_n=top_n)
+    prev = torch.cat([torch.full((1, 6), root), cand[:-1]])  # [D, M]
+    states = model.ar_layer(h[:, None].expand(7, 6, 64), model.embed(prev[:, :, None]))
+    full = torch.softmax(model.logits(states).float(), dim=-1)  # [D, M prev, V]
+    exact = full.gather(-1, cand[:, None, :].expand(7, 6, 6))
+    if top_n == 96:
+        torch.testing.assert_close(cond, exact, atol=1e-5, rtol=1e-4)
+    torch.nn.init.zeros_(model.ar_layer.out_proj.weight)  # fresh: the conditionals are the marginals
+    cand, cond = conditional_tables(model, [8, root], h, top_m=6, top_n=top_n)
+    marginal = torch.softmax(model.logits(h).float(), dim=-1).gather(-1, cand)
+    torch.testing.assert_close(cond, marginal[:, None, :].expand(7, 6, 6), atol=1e-6, rtol=1e-5)
+
+
 def brute_force_best(tokens, probs, budget):
     """Every set of `budget` nodes of the full candidate tree that is closed under parents; the best value."""
     depth, width = tokens.shape

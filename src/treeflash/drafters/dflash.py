@@ -59,7 +59,8 @@ def conditional_tables(model: DFlashDrafter, tokens: list[int], h: torch.Tensor,
     because conditioning sharpens: given its parent, a token can take more mass than any marginal gives the M.
     """
     D, M = h.shape[0], top_m
-    probs, wide = torch.softmax(model.logits(h).float(), dim=-1).topk(max(M, top_n), dim=-1)  # [D, N]
+    marginal = torch.softmax(model.logits(h).float(), dim=-1)
+    probs, wide = marginal.topk(min(max(M, top_n), marginal.shape[-1]), dim=-1)  # [D, N]
     cand = wide[:, :M]
     prev = torch.cat([torch.full((1, M), tokens[-1], device=cand.device), cand[:-1]])  # [D, M] previous tokens
     p = model.ar_layer.prev_tokens
