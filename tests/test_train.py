@@ -136,7 +136,8 @@ def test_regen_samples_at_a_temperature_and_training_reads_several_folders(tmp_p
         return {r["id"]: r for r in load_regen(out)}
 
     greedy, sampled = regen(tmp_path / "greedy"), regen(tmp_path / "t1", "--temperature", "1", "--seed", "3")
-    assert {r["temperature"] for r in greedy.values()} == {0.0} and {r["temperature"] for r in sampled.values()} == {1.0}
+    assert {r["temperature"] for r in greedy.values()} == {0.0}
+    assert {r["temperature"] for r in sampled.values()} == {1.0}
     assert any(sampled[i]["response_ids"] != greedy[i]["response_ids"] for i in greedy)  # a random tiny model
     assert regen(tmp_path / "again", "--temperature", "1", "--seed", "3") == sampled  # seeded: reproducible
     both = load_regen(f"{tmp_path / 'greedy'},{tmp_path / 't1'}")

@@ -4,9 +4,9 @@ Along the target's own continuation of each prompt (greedy, or sampled at `tempe
 anchor; at depth d the drafter's distribution for the token d steps ahead is compared with the target's
 (teacher-forced) distribution there: total-variation distance (to the target's plain softmax, the one drafters
 are trained on), and top-k coverage, the probability that the target's token is among the drafter's k most likely:
-at T = 0 whether the target's argmax is, at T > 0 the mass of the target's tempered distribution on them. The DFlash marginals and, for a TreeFlash drafter, the AR layer's conditionals (given
-the true previous token) are measured on the same anchors; with a Weaver, its conditionals too (given the true
-branch, as in training).
+at T = 0 whether the target's argmax is, at T > 0 the mass of the target's tempered distribution on them. The
+DFlash marginals and, for a TreeFlash drafter, the AR layer's conditionals (given the true previous token) are
+measured on the same anchors; with a Weaver, its conditionals too (given the true branch, as in training).
 
 The Weaver has a distribution over its K candidates only (the top-K of the DFlash marginal at that depth); it is
 compared over the full vocabulary as it is used to build trees: its probabilities placed on the K candidates and
@@ -77,7 +77,8 @@ def distribution_metrics(target: Target, drafter: DFlashDrafter, prompts: list[s
     totals: dict[str, dict[str, torch.Tensor]] = {}
     for i, text in enumerate(tqdm(prompts, desc="dist", disable=not progress, leave=False)):
         prompt = target.encode_prompt(text)
-        answer = generate(target, make_drafter("ar"), prompt, max_new_tokens, Sampling(temperature), seed=seed + i).tokens
+        answer = generate(target, make_drafter("ar"), prompt, max_new_tokens, Sampling(temperature),
+                          seed=seed + i).tokens
         seq = Sequence(torch.tensor(prompt + answer), len(prompt))
         view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
         for kind in kinds:
