@@ -78,7 +78,7 @@ def conditional_tables(model: DFlashDrafter, tokens: list[int], h: torch.Tensor,
     return cand, torch.softmax(logits, dim=-1)[..., :M] * probs.sum(-1)[:, None, None]
 
 
-def treeflash_tree(top_m: int = 32, top_n: int = 0):
+def treeflash_tree(top_m: int, top_n: int):
     def build(model, tokens, h, budget) -> DraftTree:
         cand, cond = conditional_tables(model, tokens, h, top_m, top_n)
         return opt_tree(tokens[-1], cand, cond, budget)

@@ -204,6 +204,7 @@ class DFlashDrafter(nn.Module):
             self.mask_embedding = nn.Parameter(0.02 * torch.randn(c.hidden_size))
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered as submodules
         self._head_cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (the head's weight, its cast copy)
+        self.backbone_folder: Path | None = None  # loaded as an AR layer over this DFlash folder (see save_pretrained)
         self.apply(self._init)
         self.ar_layer = None
         if c.ar_layer:
@@ -377,7 +378,7 @@ class DFlashDrafter(nn.Module):
         if missing or unexpected:
             raise DrafterError(f"AR-layer weights in {folder} do not match its config: missing {missing[:4]}, "
                                f"unexpected {unexpected[:4]}")
-        model.backbone_folder = backbone  # where further training saves its AR layer against
+        model.backbone_folder = backbone
         return model.to(dtype).eval()
 
 

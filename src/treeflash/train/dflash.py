@@ -103,8 +103,6 @@ def run(args) -> dict:
     TreeFlash starts from a trained DFlash backbone (--backbone), adds a zero-initialised AR layer and trains it,
     alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing. A TreeFlash
     drafter as --backbone continues: its AR layer is trained further (the --ar-* options are then its own)."""
-    from pathlib import Path
-
     from ..models.dflash import DFlashConfig
     from .data import load_regen
 
@@ -112,7 +110,7 @@ def run(args) -> dict:
     if args.train_command == "treeflash":
         drafter = DFlashDrafter.from_pretrained(args.backbone).attach(target.model).to(target.device)
         # a TreeFlash drafter as --backbone goes on training its AR layer; an adapter is saved against its backbone
-        saved_against = getattr(drafter, "backbone_folder", None)
+        saved_against = drafter.backbone_folder
         if drafter.ar_layer is None:
             drafter.add_ar_layer(args.ar_kind, args.prev_tokens, args.ar_intermediate_size)
             saved_against = args.backbone
@@ -126,7 +124,7 @@ def run(args) -> dict:
     for param in trainable:
         param.requires_grad_(True)
     config = drafter.config
-    data = sequences(load_regen(Path(args.data)), args.max_len, config.block_size)
+    data = sequences(load_regen(args.data), args.max_len, config.block_size)
     taps = config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
 

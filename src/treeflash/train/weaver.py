@@ -68,8 +68,6 @@ def weaver_loss(model: torch.nn.Module, drafter: DFlashDrafter, seq: Sequence, v
 
 def run(args) -> dict:
     """`treeflash train weaver` (see cli.py for the arguments)."""
-    from pathlib import Path
-
     from ..models.weaver import WeaverConfig
     from .data import load_regen
     from .dflash import launch, sample_anchors, sequences, setup, target_view
@@ -82,7 +80,7 @@ def run(args) -> dict:
     else:
         config = WeaverConfig.for_drafter(drafter.config, args.width, args.weaver_layers, args.heads, args.top_k)
         weaver = Weaver(config).attach(drafter).to(target.device)
-    data = sequences(load_regen(Path(args.data)), args.max_len, drafter.config.block_size)
+    data = sequences(load_regen(args.data), args.max_len, drafter.config.block_size)
     taps = drafter.config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
