@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 import treeflash.engine
 from treeflash import DraftTree, Sampling, generate
 from treeflash.drafters import make_drafter
+from treeflash.verify import accept, expected_accepted
 
 from conftest import tiny_target
 
@@ -98,3 +99,16 @@ def test_processed_distribution():
     torch.testing.assert_close(kept[:2], p[:2] / p[:2].sum())  # the token crossing 0.8 is kept
     assert kept[2:].sum() == 0
     assert Sampling(0.0).choose(logits).item() == 0
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0.0), Sampling(temperature=1.0),
+                                      Sampling(temperature=0.8, top_k=6, top_p=0.9)])
+def test_expected_accepted_is_the_mean_of_accept(sampling):
+    """E[accepted | tree] against the empirical mean of `accept` on the same verified logits."""
+    tree = FixedTreeDrafter().propose([5], None, 16)
+    logits = torch.randn(len(tree), VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+    expected = expected_accepted(tree, logits, sampling)
+    g = torch.Generator().manual_seed(1)
+    counts = [len(accept(tree, logits, sampling, g)[0]) for _ in range(1 if sampling.greedy else 20000)]
+    assert abs(sum(counts) / len(counts) - expected) < (1e-6 if sampling.greedy else 0.02)
+    assert 1.0 <= expected <= 3.0

@@ -112,6 +112,25 @@ def test_w_wide_expansion_takes_ceil_b_over_w_calls(w):
         assert tree_value(tree, tokens, probs) <= tree_value(opt_tree(0, tokens, probs, budget), tokens, probs) + 1e-9
 
 
+@pytest.mark.parametrize("w", [2, 4, 8])
+def test_fallback_grows_the_last_batch_for_free(w):
+    """Marginal tables (one row per depth): the scorer and the fallback agree, so the fallback can only add value
+    (each pop of the last batch chooses from more slots), never beyond OPT-Tree's, and costs no call."""
+    g = torch.Generator().manual_seed(w)
+    tokens = torch.stack([torch.randperm(50, generator=g)[:10] for _ in range(6)])
+    probs = torch.softmax(2 * torch.randn(6, 1, 10, generator=g), -1)
+    for budget in (1, 5, 16, 33):
+        calls, plain_calls = [], []
+        tree = parallel_tree(0, tokens, table_scorer(tokens, probs, calls), budget, w, fallback=probs[:, 0])
+        plain = parallel_tree(0, tokens, table_scorer(tokens, probs, plain_calls), budget, w)
+        assert tree.size == budget and len(calls) == len(plain_calls) == math.ceil(budget / w)
+        best = tree_value(opt_tree(0, tokens, probs, budget), tokens, probs)
+        assert tree_value(plain, tokens, probs) - 1e-9 <= tree_value(tree, tokens, probs) <= best + 1e-9
+    peaked = torch.softmax(torch.tensor([6.0] + [0.0] * 9), -1).expand(6, 1, 10)  # a confident chain
+    tree = parallel_tree(0, tokens, table_scorer(tokens, peaked, []), 16, 8, fallback=peaked[:, 0])
+    assert max(tree.depths) == 6 > max(parallel_tree(0, tokens, table_scorer(tokens, peaked, []), 16, 8).depths)
+
+
 @pytest.mark.parametrize("budget,w", [(1, 4), (5, 1), (16, 4), (16, 8), (30, 8)])
 def test_tfm_drafter_counts_weaver_calls(budget, w):
     target = tiny_target("llama")

@@ -10,7 +10,7 @@ import torch
 from .clock import now as _now
 from .drafters.base import Drafter
 from .target import Target
-from .verify import Sampling, accept
+from .verify import Sampling, accept, expected_accepted
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Round:
     tree_size: int  # draft nodes verified (root excluded)
     draft_s: float
     verify_s: float
+    expected: float  # E[accepted | tree] (verify.expected_accepted): equal to `accepted` at T = 0
 
 
 @dataclass
@@ -31,6 +32,11 @@ class GenerationResult:
     def tau(self) -> float:
         """Tokens committed per target forward in the decode rounds (AR: 1.0); the prefill is not counted."""
         return sum(r.accepted for r in self.rounds) / max(len(self.rounds), 1)
+
+    @property
+    def expected_tau(self) -> float:
+        """τ with every round's sampled count replaced by its expectation given the tree (same mean at T > 0)."""
+        return sum(r.expected for r in self.rounds) / max(len(self.rounds), 1)
 
     @property
     def seconds(self) -> float:
@@ -76,7 +82,8 @@ def generate(
         t2 = _now(target.device)
         features = None if out.hidden is None else out.hidden[path]
         new = [tree.tokens[i] for i in path[1:]] + [bonus]
-        result.rounds.append(Round(len(new), tree.size, t1 - t0, t2 - t1))
+        expected = len(new) if sampling.greedy else expected_accepted(tree, out.logits, sampling)  # not timed
+        result.rounds.append(Round(len(new), tree.size, t1 - t0, t2 - t1, expected))
         for token in new:  # stop exactly where sequential decoding would
             if len(result.tokens) == max_new_tokens or tokens[-1] in target.eos_ids:
                 break

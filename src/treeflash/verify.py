@@ -71,3 +71,22 @@ def accept(
     while (nxt := children[path[-1]].get(choices[path[-1]])) is not None:
         path.append(nxt)
     return path, choices[path[-1]]
+
+
+def expected_accepted(tree: DraftTree, logits: torch.Tensor, sampling: Sampling) -> float:
+    """E[tokens a round commits | tree]: the bonus token plus, for every draft node, the probability that the
+    target's choices walk down to it (the product of its processed probabilities along the path).
+
+    At T = 0 this is the accepted count itself; at T > 0 it has the same mean as the sampled count without its
+    acceptance noise, so `bench` can compare methods at T > 0 on fewer prompts."""
+    parents = sorted(set(tree.parents[1:]))
+    if sampling.greedy:
+        probs = torch.nn.functional.one_hot(logits[parents].argmax(-1), logits.shape[-1]).float()
+    else:
+        probs = sampling.probs(logits[parents])
+    row = {p: r for r, p in enumerate(parents)}
+    reach = [1.0]
+    for node in range(1, len(tree)):
+        parent = tree.parents[node]
+        reach.append(reach[parent] * float(probs[row[parent], tree.tokens[node]]))
+    return sum(reach)

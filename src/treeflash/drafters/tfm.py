@@ -28,6 +28,7 @@ class WeaverRound:
     def __init__(self, weaver: Weaver, h: torch.Tensor, ctx: torch.Tensor, capacity: int):
         self.weaver, self.h, self.ctx = weaver, h, ctx
         self.cand_logits, self.candidates = weaver.drafter.logits(h).float().topk(weaver.config.top_k, dim=-1)
+        self.marginals = torch.softmax(self.cand_logits, dim=-1)  # a fresh Weaver's output, for nodes it won't expand
         self.cache: BranchCache = weaver.new_cache(capacity)
         self.calls = 0
 
@@ -52,9 +53,10 @@ class WeaverDrafter(BlockDrafter):
     @torch.no_grad()
     def propose(self, tokens, features, budget) -> DraftTree:
         h = self.draft(tokens, features)
-        self.last_round = WeaverRound(self.weaver, h, self.last_feature, capacity=budget + 1)
-        tree = parallel_tree(tokens[-1], self.last_round.candidates, self.last_round, budget, self.width)
-        self.adapter_calls += self.last_round.calls
+        r = self.last_round = WeaverRound(self.weaver, h, self.last_feature, capacity=budget + 1)
+        # the last batch of nodes grows on below them by the marginals: deeper trees, no more Weaver calls
+        tree = parallel_tree(tokens[-1], r.candidates, r, budget, self.width, fallback=r.marginals)
+        self.adapter_calls += r.calls
         return tree
 
 

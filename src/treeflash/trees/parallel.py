@@ -9,6 +9,10 @@ Children are pushed lazily: an expansion pushes its w best children, and popping
 sibling of rank r + w (whose value is no larger). So the heap always holds at least w slots while candidates
 remain, the tree takes ceil(B / w) sequential scorer calls (the root's expansion is the first; the last batch is
 never expanded), and with w = 1 this is exact best-first search: OPT-Tree when the scorer is first-order.
+
+Without more, that last batch also bounds the depth: B = 16, w = 8 gives two calls, so no node below depth 2.
+An optional `fallback` (per depth, a child distribution that needs no call: the plain marginals) scores the
+children of the last batch's nodes as they are popped, so that batch goes on best-first below them for free.
 """
 
 from __future__ import annotations
@@ -25,37 +29,48 @@ from ..tree import DraftTree
 Expand = Callable[[list[int], list[int], list[int], list[int]], torch.Tensor]
 
 
-def parallel_tree(root: int, candidates: torch.Tensor, expand: Expand, budget: int, width: int = 8) -> DraftTree:
-    """candidates [D, K]: distinct tokens per depth 1..D; at most `budget` draft nodes; w = `width`."""
+def parallel_tree(root: int, candidates: torch.Tensor, expand: Expand, budget: int, width: int = 8,
+                  fallback: torch.Tensor | None = None) -> DraftTree:
+    """candidates [D, K]: distinct tokens per depth 1..D; at most `budget` draft nodes; w = `width`;
+    fallback [D, K] (optional): a node's child distribution over candidates[depth] when it gets no call."""
     depth, k = candidates.shape
     cand = candidates.tolist()
     tokens, parents, depths, values = [root], [-1], [0], [1.0]
-    children: dict[int, tuple[list[float], list[int]]] = {}  # node -> (child probs, candidate indices), best first
+    # node -> (child probs, candidate indices, best first; step: the slots it holds in the heap at once)
+    children: dict[int, tuple[list[float], list[int], int]] = {}
     heap: list[tuple[float, int, int]] = []  # (-value, parent node, rank)
 
     def push(parent: int, rank: int) -> None:
         heapq.heappush(heap, (-values[parent] * children[parent][0][rank], parent, rank))
 
+    def adopt(node: int, probs: torch.Tensor, step: int) -> None:
+        p, i = probs.float().sort(dim=-1, descending=True)
+        children[node] = (p.tolist(), i.tolist(), step)
+        for rank in range(min(step, k)):
+            push(node, rank)
+
     def grow(nodes: list[int]) -> None:
-        probs, order = expand(nodes, tokens, parents, depths).float().sort(dim=-1, descending=True)
-        for node, p, i in zip(nodes, probs.tolist(), order.tolist()):
-            children[node] = (p, i)
-            for rank in range(min(width, k)):
-                push(node, rank)
+        for node, probs in zip(nodes, expand(nodes, tokens, parents, depths)):
+            adopt(node, probs, width)
 
     grow([0])
     while heap and len(tokens) - 1 < budget:
+        last = fallback is not None and len(tokens) - 1 + width >= budget  # no call after this batch
         batch = []
         while heap and len(batch) < width and len(tokens) - 1 < budget:
             neg, parent, rank = heapq.heappop(heap)
-            batch.append(len(tokens))
+            node = len(tokens)
+            batch.append(node)
             tokens.append(cand[depths[parent]][children[parent][1][rank]])
             parents.append(parent)
             depths.append(depths[parent] + 1)
             values.append(-neg)
-            if rank + width < k:  # the sibling this slot stood in front of
-                push(parent, rank + width)
+            step = children[parent][2]
+            if rank + step < k:  # the sibling this slot stood in front of
+                push(parent, rank + step)
+            if last and depths[node] < depth:
+                adopt(node, fallback[depths[node]], 1)
         expandable = [n for n in batch if depths[n] < depth]
-        if expandable and len(tokens) - 1 < budget:
+        if not last and expandable and len(tokens) - 1 < budget:
             grow(expandable)
     return DraftTree.from_parents(tokens, parents)
