@@ -63,6 +63,18 @@ def test_bench_at_temperature_has_no_exactness(tiny_folder, tmp_path):
     assert report["num_prompts"] == 2 and report["methods"]["pld"]["matches_ar"] is None
 
 
+def test_paired_writes_json(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "paired.json"
+    assert main(["paired", "--target", tiny_folder, "--limit", "2", "--methods", "ar,pld", "--budget", "4,16",
+                 "--temperature", "1", "--max-new-tokens", "10", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"pld@4", "pld@16"}  # ar has no tree to compare
+    assert report["methods"]["pld@4"]["ratio_to_first"] == 1.0 and len(report["outputs"]) == 2
+    assert all(m["expected_tau"] >= 1.0 for m in report["methods"].values())
+    assert "E[tau]" in capsys.readouterr().out
+    assert main(["paired", "--target", tiny_folder, "--methods", "ar"]) == 2  # nothing to compare
+
+
 def test_generate_streams_and_prints_json(tiny_folder, capsys):
     assert main(["generate", "Hello", "--target", tiny_folder, "--max-new-tokens", "8"]) == 0
     streamed = capsys.readouterr()

@@ -77,6 +77,20 @@ def test_verify_writes_no_gdn_state(hybrid):
         before = gdn_states(hybrid)
 
 
+def test_discard_keeps_no_trace(hybrid):
+    """`paired` verifies trees it then discards: the next verification must see the committed state only."""
+    rng = random.Random(6)
+    prompt, tree = [rng.randrange(96) for _ in range(6)], random_tree(rng, 96, 10)
+    hybrid.prefill(prompt)
+    fresh = hybrid.verify(tree).logits
+    hybrid.prefill(prompt)
+    before = gdn_states(hybrid)
+    hybrid.verify(random_tree(rng, 96, 12))
+    hybrid.discard()
+    assert all(torch.equal(a, b) for x, y in zip(gdn_states(hybrid), before) for a, b in zip(x, y))
+    torch.testing.assert_close(hybrid.verify(tree).logits, fresh)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10**6))
 def test_commit_leaves_the_sequential_cache(hybrid, seed):

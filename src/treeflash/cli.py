@@ -90,16 +90,19 @@ def build_parser() -> Parser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_decoding_args(g)
 
-    b = sub.add_parser("bench", help="compare methods on a dataset: tau, tokens/s, speedup, exactness")
-    b.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits) or a .jsonl file")
-    b.add_argument("--field", default=None, help="prompt field of a .jsonl file "
-                   "(default: the first of prompt, question, problem, text, turns)")
-    b.add_argument("--limit", type=_positive_int, default=10, help="number of prompts (10)")
-    b.add_argument("--methods", type=_methods, default=None, help=f"comma-separated ({','.join(METHODS)}; "
-                   "default: those with a drafter shipped for the target)")
-    b.add_argument("--out", default=None, help="write the results as JSON to this file")
-    b.add_argument("--no-progress", action="store_true")
-    _add_decoding_args(b, sweep=True)
+    for name, text in (("bench", "compare methods on a dataset: tau, tokens/s, speedup, exactness"),
+                       ("paired", "compare tree builders on one shared continuation (driven by the first "
+                                  "variant): E[tau] of every variant's tree at every round, no speed")):
+        b = sub.add_parser(name, help=text)
+        b.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits) or a .jsonl file")
+        b.add_argument("--field", default=None, help="prompt field of a .jsonl file "
+                       "(default: the first of prompt, question, problem, text, turns)")
+        b.add_argument("--limit", type=_positive_int, default=10, help="number of prompts (10)")
+        b.add_argument("--methods", type=_methods, default=None, help=f"comma-separated ({','.join(METHODS)}; "
+                       "default: those with a drafter shipped for the target)")
+        b.add_argument("--out", default=None, help="write the results as JSON to this file")
+        b.add_argument("--no-progress", action="store_true")
+        _add_decoding_args(b, sweep=True)
     o = sub.add_parser("overhead", help="engine cost on top of bare target forwards (AR round, 17-node tree)")
     o.add_argument("--context", type=_positive_int, default=200, help="cache length (200)")
     o.add_argument("--repeats", type=_positive_int, default=20)
@@ -331,6 +334,31 @@ def cmd_bench(args) -> None:
             json.dump(report, f, indent=2)
 
 
+def cmd_paired(args) -> None:
+    from .eval.datasets import load_prompts
+    from .eval.paired import format_paired, paired_drafters, run_paired
+
+    prompts = load_prompts(args.dataset, args.field, args.limit)
+    methods = [m for m in args.methods or available_methods(args.target, args.drafter, args.weaver) if m != "ar"]
+    if not methods:
+        raise UsageError("paired compares tree builders: name at least one method other than ar")
+    if "tfm" in methods:
+        _require_weaver(args)
+    target = _load_target(args)
+    drafters = paired_drafters(target, methods, args.budget, args.tfm_width, args.drafter, args.weaver)
+    encoded = [_encode(target, p) for p in prompts]
+    report = run_paired(target, encoded, drafters, _sampling(args), args.max_new_tokens, args.seed,
+                        progress=not args.no_progress)
+    print(f"{args.dataset}: {len(prompts)} prompts, {report['rounds']} rounds driven by {next(iter(drafters))}, "
+          f"T = {args.temperature}, {args.max_new_tokens} new tokens")
+    print(format_paired(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts),
+                       "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                       "dtype": args.dtype, "seed": args.seed, **report}, f, indent=2)
+
+
 def cmd_overhead(args) -> None:
     from .eval.overhead import measure_overhead
 
@@ -417,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _quiet_libraries()
-        {"generate": cmd_generate, "bench": cmd_bench, "overhead": cmd_overhead,
+        {"generate": cmd_generate, "bench": cmd_bench, "paired": cmd_paired, "overhead": cmd_overhead,
          "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
          "train": cmd_train}[args.command](args)
     except KeyboardInterrupt:

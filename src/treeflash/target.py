@@ -204,6 +204,16 @@ class Target:
         self.pending = n
         return out
 
+    def discard(self) -> None:
+        """Forget the last verified tree (none of its K/V, nor any recurrent state, is kept)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None:
+                layer.keys = layer.keys[..., : self.length, :]
+                layer.values = layer.values[..., : self.length, :]
+        if self.gdn:
+            self.gdn.discard()
+        self.pending = 0
+
     @torch.inference_mode()
     def commit(self, nodes: list[int]) -> None:
         """Keep the K/V of `nodes` (indices into the last verified tree, root first, a root-to-node path)."""

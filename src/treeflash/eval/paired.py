@@ -1,0 +1,81 @@
+"""`treeflash paired`: tree builders compared on one shared continuation, by E[accepted | tree].
+
+In `bench` every method samples its own continuation, so at T > 0 two methods' τ differ also by what they happened
+to decode. Here the first variant drives decoding exactly as `generate` does (its tree is verified, accepted and
+committed); at every round each other variant proposes its tree for the same context, which the target verifies
+and then discards. Every tree is scored by verify.expected_accepted: paired ratios, free of both kinds of sampling
+noise, for the cost of one extra verification per variant and round. Speed is not measured here (see `bench`).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ..drafters import make_drafter
+from ..target import Target
+from ..verify import Sampling, accept, expected_accepted
+from .bench import variants
+
+
+def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tuple[object, int]],
+               sampling: Sampling = Sampling(), max_new_tokens: int = 128, seed: int = 0,
+               progress: bool = True) -> dict:
+    """prompts: token ids; drafters: NAME -> (drafter, budget), one drafter object each (drafters keep
+    per-sequence state); the first drives. Returns NAME -> {"expected_tau", "ratio_to_first"} and the driver's outputs (new tokens per prompt)."""
+    names = list(drafters)
+    taps = {d.taps for d, _ in drafters.values()} - {()}
+    if len(taps) > 1:
+        raise ValueError("paired variants must tap the same target layers (one drafter backbone)")
+    target.taps = taps.pop() if taps else ()
+    totals, rounds, outputs = dict.fromkeys(names, 0.0), 0, []
+    for i, prompt in enumerate(tqdm(prompts, desc="paired", unit="prompt", disable=not progress, leave=False)):
+        generator = torch.Generator(device=target.device).manual_seed(seed + i)
+        for drafter, _ in drafters.values():
+            drafter.reset()
+        out = target.prefill(prompt)
+        first = int(sampling.choose(out.logits[-1], generator))
+        tokens, features, generated = prompt + [first], out.hidden, [first]
+        while len(generated) < max_new_tokens and tokens[-1] not in target.eos_ids:
+            room = target.context_length - target.length - 1
+            for name in names[1:] + names[:1]:  # the driver last: its tree is the one committed
+                drafter, budget = drafters[name]
+                tree = drafter.propose(tokens, features, min(budget, room))
+                out = target.verify(tree)
+                totals[name] += expected_accepted(tree, out.logits, sampling)
+                if name != names[0]:
+                    target.discard()
+            path, bonus = accept(tree, out.logits, sampling, generator)
+            target.commit(path)
+            features = None if out.hidden is None else out.hidden[path]
+            rounds += 1
+            for token in [tree.tokens[n] for n in path[1:]] + [bonus]:  # stop where `generate` stops
+                if len(generated) == max_new_tokens or tokens[-1] in target.eos_ids:
+                    break
+                tokens.append(token)
+                generated.append(token)
+        outputs.append(generated)
+    first = totals[names[0]]
+    return {"rounds": rounds, "outputs": outputs,
+            "methods": {n: {"expected_tau": totals[n] / max(rounds, 1), "ratio_to_first": totals[n] / first}
+                        for n in names}}
+
+
+def paired_drafters(target: Target, methods: list[str], budgets: list[int], tfm_widths: list[int],
+                    drafter_path: str | None = None, weaver_path: str | None = None) -> dict:
+    """One drafter per (method, budget, width) variant of `bench`'s sweep, `ar` left out."""
+    out = {}
+    chosen = [v for v in variants(methods, budgets, tfm_widths) if v.method != "ar"]
+    several_budgets, several_widths = len(set(budgets)) > 1, len(set(tfm_widths)) > 1
+    for v in chosen:
+        drafter = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8)
+        out[v.name(several_budgets, several_widths)] = (drafter, v.budget)
+    return out
+
+
+def format_paired(report: dict) -> str:
+    names = list(report["methods"])
+    lines = [f"{'variant':<16} {'E[tau]':>7} {'/ ' + names[0]:>16}", "-" * 41]
+    for name, m in report["methods"].items():
+        lines.append(f"{name:<16} {m['expected_tau']:>7.3f} {m['ratio_to_first']:>15.3f}x")
+    return "\n".join(lines)
