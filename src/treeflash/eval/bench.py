@@ -125,15 +125,16 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
 
 
 def format_table(methods: dict) -> str:
-    """τ (E[tau]: its expectation given the trees, less noisy at T > 0), speed, exactness and the cost of a round: drafter forward, tree build (AR layer / Weaver calls included),
-    target verification (with acceptance and commit)."""
+    """τ (E[tau]: its expectation given the trees, less noisy at T > 0), speed, exactness and the cost of a round:
+    drafter forward, tree build (AR layer / Weaver calls included), target verification (with acceptance and
+    commit)."""
     head = (f"{'method':<14} {'tau':>6} {'E[tau]':>6} {'tok/s':>7} {'speedup':>8} {'matches_ar':>10} {'new_tok':>7} "
             f"{'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9}")
     lines = [head, "-" * len(head)]
     for name, m in methods.items():
         match = "-" if m["matches_ar"] is None else str(m["matches_ar"]).lower()
-        lines.append(f"{name:<14} {m['tau']:>6.2f} {m['expected_tau']:>6.2f} {m['tokens_per_second']:>7.2f} {m['speedup_vs_ar']:>7.2f}x "
-                     f"{match:>10} {m['new_tokens']:>7} {m['drafter_forward_ms_per_round']:>7.1f} "
-                     f"{m['tree_build_ms_per_round']:>7.1f} {m['adapter_calls_per_round']:>6.1f} "
-                     f"{m['verify_ms_per_round']:>9.1f}")
+        lines.append(f"{name:<14} {m['tau']:>6.2f} {m['expected_tau']:>6.2f} {m['tokens_per_second']:>7.2f} "
+                     f"{m['speedup_vs_ar']:>7.2f}x {match:>10} {m['new_tokens']:>7} "
+                     f"{m['drafter_forward_ms_per_round']:>7.1f} {m['tree_build_ms_per_round']:>7.1f} "
+                     f"{m['adapter_calls_per_round']:>6.1f} {m['verify_ms_per_round']:>9.1f}")
     return "\n".join(lines)

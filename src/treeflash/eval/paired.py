@@ -22,7 +22,8 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
                sampling: Sampling = Sampling(), max_new_tokens: int = 128, seed: int = 0,
                progress: bool = True) -> dict:
     """prompts: token ids; drafters: NAME -> (drafter, budget), one drafter object each (drafters keep
-    per-sequence state); the first drives. Returns NAME -> {"expected_tau", "ratio_to_first"} and the driver's outputs (new tokens per prompt)."""
+    per-sequence state); the first drives. Returns, per NAME, E[tau] and its ratio to the first's, and the driver's
+    new tokens per prompt."""
     names = list(drafters)
     taps = {d.taps for d, _ in drafters.values()} - {()}
     if len(taps) > 1:
@@ -55,9 +56,9 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
                 tokens.append(token)
                 generated.append(token)
         outputs.append(generated)
-    first = totals[names[0]]
+    base = totals[names[0]]
     return {"rounds": rounds, "outputs": outputs,
-            "methods": {n: {"expected_tau": totals[n] / max(rounds, 1), "ratio_to_first": totals[n] / first}
+            "methods": {n: {"expected_tau": totals[n] / max(rounds, 1), "ratio_to_first": totals[n] / base}
                         for n in names}}
 
 
