@@ -204,12 +204,18 @@ class Target:
         self.pending = n
         return out
 
+    def _kv_layers(self) -> list:
+        """The cache layers that hold keys and values (a hybrid's linear-attention layers hold states instead)."""
+        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
+
+    def _truncate(self, length: int) -> None:
+        for layer in self._kv_layers():
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
     def discard(self) -> None:
         """Forget the last verified tree (none of its K/V, nor any recurrent state, is kept)."""
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None:
-                layer.keys = layer.keys[..., : self.length, :]
-                layer.values = layer.values[..., : self.length, :]
+        self._truncate(self.length)
         if self.gdn:
             self.gdn.discard()
         self.pending = 0
@@ -218,16 +224,13 @@ class Target:
     def commit(self, nodes: list[int]) -> None:
         """Keep the K/V of `nodes` (indices into the last verified tree, root first, a root-to-node path)."""
         start, k = self.length, len(nodes)
-        kv_layers = [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
         if nodes != list(range(k)):
             index = torch.tensor(nodes, device=self.device) + start
-            for layer in kv_layers:
+            for layer in self._kv_layers():
                 # move the accepted entries down to start..start+k; the copy on the right is made before writing
                 layer.keys[..., start:start + k, :] = layer.keys[..., index, :]
                 layer.values[..., start:start + k, :] = layer.values[..., index, :]
-        for layer in kv_layers:
-            layer.keys = layer.keys[..., : start + k, :]
-            layer.values = layer.values[..., : start + k, :]
+        self._truncate(start + k)
         if self.gdn:  # linear-attention layers: the deferred commit of the accepted path's states
             self.gdn.commit(self.cache, nodes)
         self.length, self.pending = start + k, 0

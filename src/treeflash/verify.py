@@ -79,14 +79,15 @@ def expected_accepted(tree: DraftTree, logits: torch.Tensor, sampling: Sampling)
 
     At T = 0 this is the accepted count itself; at T > 0 it has the same mean as the sampled count without its
     acceptance noise, so `bench` can compare methods at T > 0 on fewer prompts."""
-    parents = sorted(set(tree.parents[1:]))
-    if sampling.greedy:
-        probs = torch.nn.functional.one_hot(logits[parents].argmax(-1), logits.shape[-1]).float()
-    else:
-        probs = sampling.probs(logits[parents])
+    parents = sorted(set(tree.parents[1:]))  # only their distributions are needed
     row = {p: r for r, p in enumerate(parents)}
+    rows = torch.tensor([row[p] for p in tree.parents[1:]], dtype=torch.long, device=logits.device)
+    own = torch.tensor(tree.tokens[1:], dtype=torch.long, device=logits.device)
+    if sampling.greedy:
+        step = (logits[parents].argmax(-1)[rows] == own).float()
+    else:
+        step = sampling.probs(logits[parents])[rows, own]  # each node's probability given its parent
     reach = [1.0]
-    for node in range(1, len(tree)):
-        parent = tree.parents[node]
-        reach.append(reach[parent] * float(probs[row[parent], tree.tokens[node]]))
+    for node, p in enumerate(step.tolist(), start=1):
+        reach.append(reach[tree.parents[node]] * p)
     return sum(reach)
