@@ -248,6 +248,18 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     methods = json.loads(bench.read_text())["methods"]
     assert set(methods) == {"ar", "ddtree", "tfm/w1", "tfm/w3"} and all(m["matches_ar"] for m in methods.values())
     assert methods["tfm/w1"]["adapter_calls_per_round"] == 4 and methods["tfm/w3"]["adapter_calls_per_round"] == 2
+
+    paired = tmp_path / "paired.json"  # two Weaver checkpoints on one continuation: each tfm variant once per Weaver
+    common = ["paired", "--target", tiny_folder, "--methods", "ddtree,tfm", "--drafter", str(tmp_path / "tf"),
+              "--budget", "4", "--tfm-width", "2", "--limit", "1", "--max-new-tokens", "6", "--no-progress"]
+    assert main([*common, "--weaver", f"{out / 'weaver'},{tmp_path / 'more' / 'weaver'}", "--out", str(paired)]) == 0
+    both = json.loads(paired.read_text())
+    assert set(both["methods"]) == {"ddtree", "tfm#1", "tfm#2"}
+    assert both["weavers"] == [str(out / "weaver"), str(tmp_path / "more" / "weaver")]
+    assert main([*common, "--weaver", str(tmp_path / "more" / "weaver"), "--out", str(paired)]) == 0
+    alone = json.loads(paired.read_text())["methods"]
+    assert alone["tfm"]["expected_tau"] == pytest.approx(both["methods"]["tfm#2"]["expected_tau"])
+
     r = report["weaver"]
     assert r["depth"] == [1, 2, 3] and all(0 <= x <= 1 for x in r["tvd"] + r["top1_coverage"])
     assert png.stat().st_size > 1000

@@ -50,8 +50,13 @@ def _positive_ints(text: str) -> list[int]:
     return [_positive_int(x) for x in text.split(",") if x.strip()] or [_positive_int(text)]
 
 
-def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
-    """Decoding options; with `sweep` (bench), --budget and --tfm-width take comma-separated lists."""
+def _paths(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers: bool = False) -> None:
+    """Decoding options; with `sweep` (bench, paired), --budget and --tfm-width take comma-separated lists, with
+    `weavers` (paired) --weaver too."""
     from .target import DEFAULT_TARGET
 
     ints, several = (_positive_ints, "; a list such as 16,64 runs each") if sweep else (_positive_int, "")
@@ -69,8 +74,10 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree/tfm "
                    "(default: the one shipped for the target)")
-    p.add_argument("--weaver", default=None, help="Weaver folder for tfm (written by `treeflash train weaver`; "
-                   "default: the one shipped for the target)")
+    p.add_argument("--weaver", type=_paths if weavers else str, default=None,
+                   help="Weaver folder for tfm (written by `treeflash train weaver`; default: the one shipped for the "
+                   "target)" + ("; a list A,B compares checkpoints: every tfm variant once per Weaver, named "
+                                "#1, #2, ..." if weavers else ""))
     p.add_argument("--tfm-width", type=ints, default=[8] if sweep else 8,
                    help=f"tfm: nodes expanded per Weaver call (8{several})")
 
@@ -102,7 +109,7 @@ def build_parser() -> Parser:
                        "default: those with a drafter shipped for the target)")
         b.add_argument("--out", default=None, help="write the results as JSON to this file")
         b.add_argument("--no-progress", action="store_true")
-        _add_decoding_args(b, sweep=True)
+        _add_decoding_args(b, sweep=True, weavers=name == "paired")
     o = sub.add_parser("overhead", help="engine cost on top of bare target forwards (AR round, 17-node tree)")
     o.add_argument("--context", type=_positive_int, default=200, help="cache length (200)")
     o.add_argument("--repeats", type=_positive_int, default=20)
@@ -351,12 +358,15 @@ def cmd_paired(args) -> None:
                         progress=not args.no_progress)
     print(f"{args.dataset}: {len(prompts)} prompts, {report['rounds']} rounds driven by {next(iter(drafters))}, "
           f"T = {args.temperature}, {args.max_new_tokens} new tokens")
+    if len(args.weaver or []) > 1:
+        for i, path in enumerate(args.weaver, start=1):
+            print(f"#{i}: Weaver {path}")
     print(format_paired(report))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts),
                        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                       "dtype": args.dtype, "seed": args.seed, **report}, f, indent=2)
+                       "dtype": args.dtype, "seed": args.seed, "drafter": args.drafter, "weavers": args.weaver, **report}, f, indent=2)
 
 
 def cmd_overhead(args) -> None:

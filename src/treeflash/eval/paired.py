@@ -63,14 +63,19 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
 
 
 def paired_drafters(target: Target, methods: list[str], budgets: list[int], tfm_widths: list[int],
-                    drafter_path: str | None = None, weaver_path: str | None = None) -> dict:
-    """One drafter per (method, budget, width) variant of `bench`'s sweep, `ar` left out."""
+                    drafter_path: str | None = None, weaver_paths: list[str] | None = None) -> dict:
+    """One drafter per (method, budget, width) variant of `bench`'s sweep, `ar` left out. Several Weaver folders
+    (checkpoints of one backbone) give every tfm variant once per Weaver, named with the suffix #1, #2, ... in the
+    list's order; None: the shipped Weaver."""
     out = {}
     chosen = [v for v in variants(methods, budgets, tfm_widths) if v.method != "ar"]
     several_budgets, several_widths = len(set(budgets)) > 1, len(set(tfm_widths)) > 1
+    weavers = list(weaver_paths or [None])
     for v in chosen:
-        drafter = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8)
-        out[v.name(several_budgets, several_widths)] = (drafter, v.budget)
+        name = v.name(several_budgets, several_widths)
+        for i, weaver in enumerate(weavers if v.method == "tfm" else [None], start=1):
+            drafter = make_drafter(v.method, target, drafter_path, weaver, v.width or 8)
+            out[f"{name}#{i}" if v.method == "tfm" and len(weavers) > 1 else name] = (drafter, v.budget)
     return out
 
 
