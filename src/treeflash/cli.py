@@ -366,7 +366,8 @@ def cmd_paired(args) -> None:
         with open(args.out, "w") as f:
             json.dump({"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts),
                        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                       "dtype": args.dtype, "seed": args.seed, "drafter": args.drafter, "weavers": args.weaver, **report}, f, indent=2)
+                       "dtype": args.dtype, "seed": args.seed, "drafter": args.drafter, "weavers": args.weaver,
+                       **report}, f, indent=2)
 
 
 def cmd_overhead(args) -> None:
