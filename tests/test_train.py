@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from treeflash.cli import main
+from treeflash.models.dflash import DFlashDrafter
 from treeflash.train.data import load_regen
 from treeflash.train.dflash import Sequence, block_mask, dflash_loss, sample_anchors, target_view
 from treeflash.train.losses import cosine_lr, forward_kl, position_weights
@@ -179,3 +180,21 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
     changed.save_pretrained(backbone)
     with pytest.raises(DrafterError, match="not the one"):
         DFlashDrafter.from_pretrained(tmp_path / "tf" / "drafter")
+
+
+def test_init_goes_on_training_a_dflash_drafter(tmp_path, tiny_folder):  # noqa: F811
+    write_regen(tmp_path / "regen")
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "first", 2)) == 0
+    first = DFlashDrafter.from_pretrained(tmp_path / "first" / "drafter")
+    more = train_args(tmp_path, tiny_folder, tmp_path / "more", 1)
+    more[more.index("--layers") + 1] = "2"  # ignored: the init's sizes are kept
+    assert main([*more, "--init", str(tmp_path / "first" / "drafter")]) == 0
+    further = DFlashDrafter.from_pretrained(tmp_path / "more" / "drafter")
+    assert further.config.num_hidden_layers == first.config.num_hidden_layers == 1
+    a, b = first.state_dict(), further.state_dict()
+    step = max((a[k] - b[k]).abs().max() for k in a)
+    assert 0 < step < max(v.abs().max() for v in a.values())  # one small step from the init, not a fresh start
+
+    first.add_ar_layer("swiglu", 1)
+    first.save_pretrained(tmp_path / "tf", dtype=torch.float32)
+    assert main([*more, "--init", str(tmp_path / "tf"), "--out", str(tmp_path / "x")]) == 2  # not a DFlash drafter

@@ -171,6 +171,8 @@ def build_parser() -> Parser:
     td.add_argument("--taps", type=_positive_int, default=5, help="target layers tapped for context (5)")
     td.add_argument("--intermediate-size", type=_positive_int, default=None, help="MLP width (the target's)")
     td.add_argument("--block-size", type=_positive_int, default=16)
+    td.add_argument("--init", default=None, help="a trained DFlash drafter folder to go on training, e.g. on new "
+                    "data (its sizes are kept: --layers, --taps, --intermediate-size, --block-size do not apply)")
     tt = tr.add_parser("treeflash", help="train TreeFlash's AR layer on a DFlash backbone (torchrun for DDP)")
     tt.add_argument("--backbone", required=True,
                     help="DFlash drafter folder to start from (a TreeFlash drafter: train its AR layer further)")

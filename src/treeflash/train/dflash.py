@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.dflash import DFlashDrafter
+from ..models.dflash import DFlashDrafter, DrafterError
 from .losses import forward_kl, position_weights
 
 
@@ -100,6 +100,9 @@ def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors
 def run(args) -> dict:
     """`treeflash train dflash` and `treeflash train treeflash` (see cli.py for the arguments).
 
+    A DFlash drafter starts fresh at the sizes given, or from a trained one (--init) with a new optimiser and
+    learning-rate schedule: a second stage on more data, or a published drafter fine-tuned on one's own.
+
     TreeFlash starts from a trained DFlash backbone (--backbone), adds a zero-initialised AR layer and trains it,
     alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing. A TreeFlash
     drafter as --backbone continues: its AR layer is trained further (the --ar-* options are then its own)."""
@@ -115,6 +118,12 @@ def run(args) -> dict:
             drafter.add_ar_layer(args.ar_kind, args.prev_tokens, args.ar_intermediate_size)
             saved_against = args.backbone
         trainable = list((drafter.ar_layer if args.freeze_backbone else drafter).parameters())
+    elif args.init:  # go on training a DFlash drafter (its own sizes: --layers etc. do not apply)
+        drafter = DFlashDrafter.from_pretrained(args.init, dtype=torch.float32).attach(target.model).to(target.device)
+        if drafter.ar_layer is not None:
+            raise DrafterError(f"{args.init} is a TreeFlash drafter: go on training it with `treeflash train treeflash "
+                               f"--backbone {args.init}`")
+        trainable = list(drafter.parameters())
     else:
         config = DFlashConfig.for_target(target.config, num_layers=args.layers, num_taps=args.taps,
                                          block_size=args.block_size, intermediate_size=args.intermediate_size)
