@@ -175,6 +175,18 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
     again = DFlashDrafter.from_pretrained(tmp_path / "tf2" / "drafter")
     assert again.backbone_folder == backbone.resolve()
     assert not torch.equal(again.ar_layer.out_proj.weight, after.ar_layer.out_proj.weight)
+    # a new backbone (the old one trained on) starts from the old AR layer with --init: same settings, a small step
+    assert main([*train_args(tmp_path, tiny_folder, tmp_path / "backbone2", 1), "--init", str(backbone)]) == 0
+    backbone2 = tmp_path / "backbone2" / "drafter"
+    moved = [*args[:3], str(backbone2), *args[4:], "--init", str(tmp_path / "tf" / "drafter"), "--ar-kind", "linear"]
+    moved[moved.index("--out") + 1], moved[moved.index("--steps") + 1] = str(tmp_path / "tf3"), "1"
+    assert main(moved) == 0
+    third = DFlashDrafter.from_pretrained(tmp_path / "tf3" / "drafter")
+    assert third.backbone_folder == backbone2.resolve() and third.config.ar_layer == after.config.ar_layer
+    step = (third.ar_layer.out_proj.weight - after.ar_layer.out_proj.weight).abs().max()
+    assert 0 < step < after.ar_layer.out_proj.weight.abs().max()
+    moved[moved.index("--init") + 1] = str(backbone)  # not a TreeFlash drafter
+    assert main(moved) == 2
     changed = DFlashDrafter.from_pretrained(backbone)
     torch.nn.init.zeros_(changed.fc.weight)
     changed.save_pretrained(backbone)

@@ -180,6 +180,8 @@ def build_parser() -> Parser:
     tt.add_argument("--ar-kind", default="swiglu", choices=["swiglu", "linear"])
     tt.add_argument("--prev-tokens", type=int, default=1, choices=[1, 2], help="previous tokens conditioned on")
     tt.add_argument("--ar-intermediate-size", type=_positive_int, default=None, help="SwiGLU width (the MLP's)")
+    tt.add_argument("--init", default=None, help="a TreeFlash drafter whose AR layer starts the training, e.g. one "
+                    "of an older backbone (its --ar-* settings are kept)")
     tw = tr.add_parser("weaver", help="train a Weaver adapter on a frozen DFlash backbone (torchrun for DDP)")
     tw.add_argument("--backbone", required=True, help="DFlash drafter folder (frozen)")
     tw.add_argument("--width", type=_positive_int, default=None, help="Weaver width (the drafter's hidden size)")

@@ -105,7 +105,8 @@ def run(args) -> dict:
 
     TreeFlash starts from a trained DFlash backbone (--backbone), adds a zero-initialised AR layer and trains it,
     alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing. A TreeFlash
-    drafter as --backbone continues: its AR layer is trained further (the --ar-* options are then its own)."""
+    drafter as --backbone continues: its AR layer is trained further (the --ar-* options are then its own). With
+    --init, a DFlash backbone gets the AR layer of that TreeFlash drafter (its own settings) as a starting point."""
     from ..models.dflash import DFlashConfig
     from .data import load_regen
 
@@ -115,8 +116,17 @@ def run(args) -> dict:
         # a TreeFlash drafter as --backbone goes on training its AR layer; an adapter is saved against its backbone
         saved_against = drafter.backbone_folder
         if drafter.ar_layer is None:
-            drafter.add_ar_layer(args.ar_kind, args.prev_tokens, args.ar_intermediate_size)
+            if args.init:  # the AR layer of another TreeFlash drafter (e.g. of an older backbone) to start from
+                source = DFlashDrafter.from_pretrained(args.init)
+                if source.ar_layer is None:
+                    raise DrafterError(f"--init {args.init} is not a TreeFlash drafter (it has no AR layer)")
+                drafter.add_ar_layer(**source.config.ar_layer)
+                drafter.ar_layer.load_state_dict(source.ar_layer.state_dict())
+            else:
+                drafter.add_ar_layer(args.ar_kind, args.prev_tokens, args.ar_intermediate_size)
             saved_against = args.backbone
+        elif args.init:
+            raise DrafterError(f"--backbone {args.backbone} has an AR layer already: --init needs a DFlash backbone")
         trainable = list((drafter.ar_layer if args.freeze_backbone else drafter).parameters())
     elif args.init:  # go on training a DFlash drafter (its own sizes: --layers etc. do not apply)
         drafter = DFlashDrafter.from_pretrained(args.init, dtype=torch.float32).attach(target.model).to(target.device)
