@@ -129,7 +129,7 @@ def run(args) -> dict:
             raise DrafterError(f"--backbone {args.backbone} has an AR layer already: --init needs a DFlash backbone")
         trainable = list((drafter.ar_layer if args.freeze_backbone else drafter).parameters())
     elif args.init:  # go on training a DFlash drafter (its own sizes: --layers etc. do not apply)
-        drafter = DFlashDrafter.from_pretrained(args.init, dtype=torch.float32).attach(target.model).to(target.device)
+        drafter = DFlashDrafter.from_pretrained(args.init).attach(target.model).to(target.device)
         if drafter.ar_layer is not None:
             raise DrafterError(f"{args.init} is a TreeFlash drafter: go on training it with `treeflash train treeflash "
                                f"--backbone {args.init}`")
