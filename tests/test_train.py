@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from treeflash.cli import main
-from treeflash.models.dflash import DFlashDrafter
+from treeflash.models.dflash import DFlashDrafter, DrafterError
 from treeflash.train.data import load_regen
 from treeflash.train.dflash import Sequence, block_mask, dflash_loss, sample_anchors, target_view
 from treeflash.train.losses import cosine_lr, forward_kl, position_weights
@@ -158,7 +158,6 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
             "--data", str(tmp_path / "regen"), "--out", str(tmp_path / "tf"), "--steps", "3", "--batch-size", "2",
             "--num-anchors", "4", "--lr", "1e-2", "--target-dtype", "float32"]
     assert main(args) == 0
-    from treeflash.models.dflash import DFlashDrafter, DrafterError
 
     before, after = DFlashDrafter.from_pretrained(backbone), DFlashDrafter.from_pretrained(tmp_path / "tf" / "drafter")
     assert after.ar_layer is not None and after.ar_layer.out_proj.weight.abs().sum() > 0
