@@ -15,7 +15,8 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_lay
             pad_token_id=None)
 
 
-def tiny_target(kind: str, seed: int = 0, **overrides) -> Target:
+def tiny_target(kind: str, seed: int = 0, runtime: str = "auto", **overrides) -> Target:
+    """A tiny random Llama or Qwen3 target; `runtime` "auto" takes the static fast path, "hf" the reference."""
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
@@ -23,12 +24,14 @@ def tiny_target(kind: str, seed: int = 0, **overrides) -> Target:
         model = Qwen3ForCausalLM(Qwen3Config(**{**TINY, "head_dim": 16, **overrides}))
     else:
         raise ValueError(kind)
-    return Target(model.float(), name=f"tiny-{kind}")
+    return Target(model.float(), name=f"tiny-{kind}", runtime=runtime)
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen3"])
+@pytest.fixture(scope="session", params=["llama", "qwen3", "llama/hf"])
 def tiny(request) -> Target:
-    return tiny_target(request.param)
+    """Both architectures on the fast path, and the HF reference runtime."""
+    kind, _, runtime = request.param.partition("/")
+    return tiny_target(kind, runtime=runtime or "auto")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,17 @@ from treeflash import DraftTree, Target
 from conftest import tiny_target
 
 
+ATOL = 1e-5  # fp32: the same computation in another order
+
+
+def cached_keys(target: Target) -> torch.Tensor:
+    """[layers, kv_heads, positions, head_dim]: the keys the target holds (committed and pending)."""
+    n = target.length + target.pending
+    if target.fast:
+        return target.fast.k_cache[:, :, :n].clone()
+    return torch.stack([layer.keys[0, :, :n] for layer in target.cache.layers])
+
+
 def sequential_logits(target: Target, ids: list[int]) -> torch.Tensor:
     """Reference: no cache, no mask tricks, the whole sequence at once; the last position's logits."""
     with torch.inference_mode():
@@ -49,9 +60,8 @@ def test_tree_logits_equal_sequential(tiny, seed, n, prompt_len):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_taps_are_decoder_layer_outputs(kind):
     target = tiny_target(kind)
-    target.taps = (0, 2)
     prompt = [3, 1, 4, 1, 5]
-    out = target.prefill(prompt)
+    out = target.prefill(prompt, taps=(0, 2))
     with torch.inference_mode():
         ref = target.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(out.hidden[:, 0], ref[1][0])
@@ -74,13 +84,12 @@ def test_commit_leaves_the_sequential_cache(tiny, seed):
     accepted = [tree.tokens[i] for i in path]
     nxt = DraftTree.chain(rng.randrange(vocab), [rng.randrange(vocab) for _ in range(3)])
     out = tiny.verify(nxt)
-    cached_keys = [layer.keys.clone() for layer in tiny.cache.layers]
+    mine = cached_keys(tiny)
 
     tiny.prefill(prompt + accepted)  # the sequential reference cache
     ref = tiny.verify(nxt)
-    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
-    for mine, theirs in zip(cached_keys, (layer.keys for layer in tiny.cache.layers)):
-        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(mine, cached_keys(tiny), atol=ATOL, rtol=0)
 
 
 def test_verify_refuses_an_uncommitted_tree(tiny):
@@ -96,3 +105,32 @@ def test_smollm2_tree_logits_equal_sequential(smollm2):
     prompt = smollm2.encode_prompt("Name three prime numbers.")
     for n in (17, 9):
         check_tree_logits(smollm2, prompt, random_tree(rng, smollm2.config.vocab_size, n), atol=2e-3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_runtime_equals_the_hf_reference(kind):
+    """The fast path against the HF runtime on the same weights: prefill, tree verification, commit of a
+    scattered path, decoding on (logits and taps), past the static cache's first capacity."""
+    fast, ref = tiny_target(kind, runtime="static"), tiny_target(kind, runtime="hf")
+    fast.fast._allocate(8, keep=0)  # a small cache, so that it must grow mid-sequence
+    rng = random.Random(1)
+    vocab = fast.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(6)]
+    outs = [t.prefill(prompt, taps=(0, 2)) for t in (fast, ref)]
+    for _ in range(6):
+        tree = random_tree(rng, vocab, rng.randint(1, 12))
+        path = tree.path_to(rng.randrange(len(tree)))
+        outs = [t.verify(tree) for t in (fast, ref)]
+        torch.testing.assert_close(outs[0].logits, outs[1].logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(outs[0].hidden, outs[1].hidden, atol=ATOL, rtol=0)
+        for t in (fast, ref):
+            t.commit(path)
+    assert fast.length == ref.length > 8
+    torch.testing.assert_close(cached_keys(fast), cached_keys(ref), atol=ATOL, rtol=0)
+
+
+def test_runtime_choice():
+    assert tiny_target("llama").runtime == "static"
+    assert tiny_target("llama", runtime="hf").runtime == "hf"
+    with pytest.raises(Exception, match="runtime"):
+        tiny_target("llama", runtime="fastest")

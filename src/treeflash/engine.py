@@ -1,4 +1,7 @@
-"""The decoding loop shared by every method: draft -> tree -> verify -> commit."""
+"""The decoding loop shared by every method: draft -> tree -> verify -> commit.
+
+`step` is one round, `generate` the loop around it (as gpt-fast's generate.py splits them).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +12,19 @@ import torch
 
 from .clock import now as _now
 from .drafters.base import Drafter
+from .speculation import Policy, policy_for
 from .target import Target
+from .tree import DraftTree
 from .verify import Sampling, accept, expected_accepted
+
+AUTO = "auto"
+DEFAULT_MAX_BUDGET = 32  # the largest tree `--budget auto` drafts: larger trees cost more to build than they add
 
 
 @dataclass
 class Round:
-    accepted: int  # tokens committed by this round: accepted drafts + the bonus token
-    tree_size: int  # draft nodes verified (root excluded)
+    accepted: int  # tokens this round committed to the output: accepted drafts + the bonus token, cut at EOS / limit
+    tree_size: int  # draft nodes verified (root excluded); 0: a plain AR step
     draft_s: float
     verify_s: float
     expected: float  # E[accepted | tree] (verify.expected_accepted): equal to `accepted` at T = 0
@@ -43,52 +51,90 @@ class GenerationResult:
         return self.prefill_s + sum(r.draft_s + r.verify_s for r in self.rounds)
 
 
+@dataclass
+class Sequence:
+    tokens: list[int]  # prompt and committed tokens; the last one is the next root (not yet seen by the target)
+    features: torch.Tensor | None  # target taps of the committed positions the drafter has not seen yet
+
+
+def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, budget: int | Policy,
+         generator: torch.Generator | None = None) -> tuple[list[int], DraftTree, torch.Tensor, Round]:
+    """One round: draft a tree (with a Policy: the prefix that pays, or no drafting at all), verify it, commit
+    the accepted path. Returns the round's new tokens (the caller cuts them at EOS or its limit), the verified
+    tree, the target's logits on it, and the round's record (its `accepted` counts every new token)."""
+    policy = budget if isinstance(budget, Policy) else None
+    room = target.context_length - target.length - 1  # the tree (root + drafts) must fit in the context
+    t0 = _now(target.device)
+    drafted = policy is None or policy.should_draft()
+    if drafted:
+        tree = drafter.propose(seq.tokens, seq.features, min(policy.max_budget if policy else budget, room))
+        seq.features = None
+        if policy:
+            tree = policy.choose(tree)
+    else:  # a plain AR step: the drafter's context catches up at its next call
+        tree = DraftTree.chain(seq.tokens[-1])
+    t1 = _now(target.device)
+    out = target.verify(tree)
+    path, bonus = accept(tree, out.logits, sampling, generator)
+    target.commit(path)
+    t2 = _now(target.device)
+    if out.hidden is not None:
+        new_features = out.hidden[path]
+        seq.features = new_features if seq.features is None else torch.cat([seq.features, new_features])
+    new = [tree.tokens[i] for i in path[1:]] + [bonus]
+    if policy:
+        policy.observe(tree, path, len(new), t1 - t0, t2 - t1, drafted)
+    expected = len(new) if sampling.greedy else expected_accepted(tree, out.logits, sampling)  # not timed
+    return new, tree, out.logits, Round(len(new), tree.size, t1 - t0, t2 - t1, expected)
+
+
 def generate(
     target: Target,
     drafter: Drafter,
     prompt: list[int],
     max_new_tokens: int = 128,
     sampling: Sampling = Sampling(),
-    budget: int = 16,
+    budget: int | str = AUTO,
     seed: int | None = None,
     on_token: Callable[[int], None] | None = None,
+    max_budget: int = DEFAULT_MAX_BUDGET,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` after `prompt`, stopping after an EOS token. Lossless for every drafter."""
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
+    """Generate up to `max_new_tokens` after `prompt`, stopping after an EOS token. Lossless for every drafter.
+
+    `budget`: draft nodes per tree, or "auto": each round the tree prefix (up to `max_budget` nodes) that
+    maximises expected tokens per second, or a plain AR step when no tree pays (speculation.Policy)."""
+    if budget != AUTO and (not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
+    if max_budget < 1:
+        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     max_new_tokens = min(max_new_tokens, target.context_length - len(prompt))
-    target.taps = drafter.taps
+    # AR proposes nothing to choose from: it needs no policy (nor the cost measurement that makes one)
+    plan = policy_for(target, drafter, max_budget) if budget == AUTO and drafter.name != "ar" else budget
+    if plan == AUTO:
+        plan = 1
     drafter.reset()
 
     t0 = _now(target.device)
-    out = target.prefill(prompt)
+    out = target.prefill(prompt, taps=drafter.taps)
     first = int(sampling.choose(out.logits[-1], generator))
     result = GenerationResult([first], prefill_s=_now(target.device) - t0)
     if on_token:
         on_token(first)
-    tokens, features = prompt + [first], out.hidden
-    # room left in the context: the tree (root + drafts) must fit after the committed positions
-    while len(result.tokens) < max_new_tokens and tokens[-1] not in target.eos_ids:
-        t0 = _now(target.device)
-        room = target.context_length - target.length - 1
-        tree = drafter.propose(tokens, features, min(budget, room))
-        t1 = _now(target.device)
-        out = target.verify(tree)
-        path, bonus = accept(tree, out.logits, sampling, generator)
-        target.commit(path)
-        t2 = _now(target.device)
-        features = None if out.hidden is None else out.hidden[path]
-        new = [tree.tokens[i] for i in path[1:]] + [bonus]
-        expected = len(new) if sampling.greedy else expected_accepted(tree, out.logits, sampling)  # not timed
-        result.rounds.append(Round(len(new), tree.size, t1 - t0, t2 - t1, expected))
+    seq = Sequence(prompt + [first], out.hidden)
+    while len(result.tokens) < max_new_tokens and seq.tokens[-1] not in target.eos_ids:
+        new, _, _, round_ = step(target, drafter, seq, sampling, plan, generator)
+        kept = 0
         for token in new:  # stop exactly where sequential decoding would
-            if len(result.tokens) == max_new_tokens or tokens[-1] in target.eos_ids:
+            if len(result.tokens) == max_new_tokens or seq.tokens[-1] in target.eos_ids:
                 break
-            tokens.append(token)
+            seq.tokens.append(token)
             result.tokens.append(token)
+            kept += 1
             if on_token:
                 on_token(token)
+        round_.accepted, round_.expected = kept, min(round_.expected, kept)  # τ counts committed tokens only
+        result.rounds.append(round_)
     return result

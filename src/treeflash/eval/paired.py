@@ -13,8 +13,9 @@ import torch
 from tqdm import tqdm
 
 from ..drafters import make_drafter
+from ..engine import Sequence, step
 from ..target import Target
-from ..verify import Sampling, accept, expected_accepted
+from ..verify import Sampling, expected_accepted
 from .bench import variants
 
 
@@ -28,33 +29,33 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
     taps = {d.taps for d, _ in drafters.values()} - {()}
     if len(taps) > 1:
         raise ValueError("paired variants must tap the same target layers (one drafter backbone)")
-    target.taps = taps.pop() if taps else ()
+    taps = taps.pop() if taps else ()
     totals, rounds, outputs = dict.fromkeys(names, 0.0), 0, []
     for i, prompt in enumerate(tqdm(prompts, desc="paired", unit="prompt", disable=not progress, leave=False)):
         generator = torch.Generator(device=target.device).manual_seed(seed + i)
         for drafter, _ in drafters.values():
             drafter.reset()
-        out = target.prefill(prompt)
+        out = target.prefill(prompt, taps=taps)
         first = int(sampling.choose(out.logits[-1], generator))
-        tokens, features, generated = prompt + [first], out.hidden, [first]
-        while len(generated) < max_new_tokens and tokens[-1] not in target.eos_ids:
-            room = target.context_length - target.length - 1
-            for name in names[1:] + names[:1]:  # the driver last: its tree is the one committed
+        seq, generated = Sequence(prompt + [first], out.hidden), [first]
+        while len(generated) < max_new_tokens and seq.tokens[-1] not in target.eos_ids:
+            room, wanted = target.context_length - target.length - 1, max_new_tokens - len(generated)
+            for name in names[1:]:  # every other variant's tree, for the context the driver is about to extend
                 drafter, budget = drafters[name]
-                tree = drafter.propose(tokens, features, min(budget, room))
-                out = target.verify(tree)
-                totals[name] += expected_accepted(tree, out.logits, sampling)
-                if name != names[0]:
-                    target.discard()
-            path, bonus = accept(tree, out.logits, sampling, generator)
-            target.commit(path)
-            features = None if out.hidden is None else out.hidden[path]
-            rounds += 1
-            for token in [tree.tokens[n] for n in path[1:]] + [bonus]:  # stop where `generate` stops
-                if len(generated) == max_new_tokens or tokens[-1] in target.eos_ids:
+                tree = drafter.propose(seq.tokens, seq.features, min(budget, room))
+                totals[name] += min(expected_accepted(tree, target.verify(tree).logits, sampling), wanted)
+                target.discard()
+            driver, budget = drafters[names[0]]
+            new, tree, logits, _ = step(target, driver, seq, sampling, budget, generator)
+            kept = 0
+            for token in new:  # stop where `generate` stops
+                if len(generated) == max_new_tokens or seq.tokens[-1] in target.eos_ids:
                     break
-                tokens.append(token)
+                seq.tokens.append(token)
                 generated.append(token)
+                kept += 1
+            totals[names[0]] += min(expected_accepted(tree, logits, sampling), kept)  # as `generate` counts τ
+            rounds += 1
         outputs.append(generated)
     base = totals[names[0]]
     return {"rounds": rounds, "outputs": outputs,

@@ -10,7 +10,8 @@ from .opt_tree import opt_tree
 
 def chain_tree(root: int, logits: torch.Tensor, budget: int) -> DraftTree:
     """The argmax of each depth's marginal, at most `budget` deep. logits [depth, V]."""
-    return DraftTree.chain(root, logits[:budget].argmax(-1).tolist())
+    probs, tokens = torch.softmax(logits[:budget].float(), dim=-1).max(-1)
+    return DraftTree.chain(root, tokens.tolist(), probs.tolist())
 
 
 def best_first_tree(root: int, logits: torch.Tensor, budget: int) -> DraftTree:

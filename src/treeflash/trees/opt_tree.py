@@ -26,7 +26,7 @@ def opt_tree(root: int, tokens: torch.Tensor, probs: torch.Tensor, budget: int) 
     def row(d: int, j: int) -> int:
         return j if len(p[d]) > 1 else 0
 
-    chosen, parents = [root], [-1]
+    chosen, parents, conditional = [root], [-1], [1.0]
     # heap entries: (-value, depth, parent's candidate index, rank among the children, parent node, parent value)
     heap = [(-p[0][0][order[0][0][0]], 0, 0, 0, 0, 1.0)]
     while heap and len(chosen) - 1 < budget:
@@ -35,13 +35,14 @@ def opt_tree(root: int, tokens: torch.Tensor, probs: torch.Tensor, budget: int) 
         node = len(chosen)
         chosen.append(tok[d][i])
         parents.append(parent)
+        conditional.append(-neg / max(parent_value, 1e-30))
         if rank + 1 < width:  # the next sibling
             sib = order[d][row(d, j)][rank + 1]
             heapq.heappush(heap, (-parent_value * p[d][row(d, j)][sib], d, j, rank + 1, parent, parent_value))
         if d + 1 < depth:  # the first child
             child = order[d + 1][row(d + 1, i)][0]
             heapq.heappush(heap, (neg * p[d + 1][row(d + 1, i)][child], d + 1, i, 0, node, -neg))
-    return DraftTree.from_parents(chosen, parents)
+    return DraftTree.from_parents(chosen, parents, conditional)
 
 
 def tree_value(tree: DraftTree, tokens: torch.Tensor, probs: torch.Tensor) -> float:

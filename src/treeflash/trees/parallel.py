@@ -73,4 +73,5 @@ def parallel_tree(root: int, candidates: torch.Tensor, expand: Expand, budget: i
         expandable = [n for n in batch if depths[n] < depth]
         if not last and expandable and len(tokens) - 1 < budget:
             grow(expandable)
-    return DraftTree.from_parents(tokens, parents)
+    conditional = [1.0] + [values[n] / max(values[parents[n]], 1e-30) for n in range(1, len(tokens))]
+    return DraftTree.from_parents(tokens, parents, conditional)

@@ -1,0 +1,182 @@
+"""Cost-aware speculation: each round the engine verifies the draft-tree prefix that pays most, or none at all.
+
+The engine knows its own costs (they differ by hardware, dtype and batch, so a fixed budget is wrong somewhere):
+- `VerifyCosts`: seconds per target verification by tree size, bucketed; measured once per target when the first
+  auto-budget sequence starts, then refreshed online from every round;
+- `Calibration`: the drafter's probability of each node given its parent, against the acceptances the target
+  actually made (per depth and probability bin, shrunk towards the drafter's own number while data is scarce).
+
+Every round, `Policy` values a tree by its calibrated expected committed tokens E(n) for each prefix of n nodes
+(builders emit nodes best first) and keeps the n that maximises E(n) - λ cost(n), where λ is the tokens per second
+the engine achieves (the renewal-reward rule: a round is worth its tokens minus what its time would have earned at
+the current rate). Before drafting it also asks whether drafting pays at all: when the recent rounds' predicted
+gain over a plain AR step falls short of λ x the drafting time, it runs AR steps and skips the drafter, probing
+again every few rounds (the drafter's context catches up at its next call).
+
+Lossless whatever it decides: the tree depends only on the drafter and on past rounds, never on this round's
+target draws, and acceptance is the same exact rule on whatever tree is verified.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+
+import torch
+
+from .clock import now
+from .tree import DraftTree
+
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # verified tokens (root included)
+
+
+class VerifyCosts:
+    """Seconds per verification of n tokens: a few buckets, linear in between, refreshed by every round."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self.sizes = sorted(seconds)
+        self.seconds = [seconds[n] for n in self.sizes]
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(cls, target, max_tokens: int, context: int = 128, repeats: int = 3) -> "VerifyCosts":
+        """Time verifications of random trees on a dummy context (it starts a sequence: call before prefill)."""
+        sizes = [n for n in BUCKETS if n <= max_tokens] + [n for n in BUCKETS if n > max_tokens][:1]
+        g = torch.Generator().manual_seed(0)
+        vocab = target.config.vocab_size
+        target.prefill(torch.randint(vocab, (context,), generator=g).tolist())
+        best = {}
+        for _ in range(repeats):
+            for n in sizes:
+                parents = [-1] + [int(torch.randint(i, (), generator=g)) for i in range(1, n)]
+                tree = DraftTree.from_parents(range(n), parents)
+                start = now(target.device)
+                target.verify(tree)
+                target.discard()  # every measurement sees the same context
+                best[n] = min(best.get(n, float("inf")), now(target.device) - start)
+        return cls(best)
+
+    def __call__(self, n: int) -> float:
+        """Predicted seconds to verify n tokens."""
+        i = bisect.bisect_left(self.sizes, n)
+        if i < len(self.sizes) and self.sizes[i] == n:
+            return self.seconds[i]
+        lo, hi = max(i - 1, 0), min(i, len(self.sizes) - 1)
+        if lo == hi:  # outside the measured range: proportional to the nearest bucket
+            return self.seconds[lo] * n / self.sizes[lo]
+        w = (n - self.sizes[lo]) / (self.sizes[hi] - self.sizes[lo])
+        return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
+
+    def observe(self, n: int, seconds: float, rate: float = 0.1) -> None:
+        """Move the nearest bucket towards an observed verification of n tokens (scaled to the bucket's size)."""
+        i = min(range(len(self.sizes)), key=lambda j: abs(self.sizes[j] - n))
+        scaled = seconds * self.seconds[i] / max(self(n), 1e-9)
+        self.seconds[i] += rate * (scaled - self.seconds[i])
+
+
+class Calibration:
+    """P(target accepts a node | it accepted the parent), as a function of depth and of the drafter's probability
+    q of the node given its parent. Counts per (depth, q-bin); a bin with few observations leans on q itself
+    (`prior` pseudo-observations), and a drafter without probabilities (prompt lookup) on 1/2."""
+
+    def __init__(self, depths: int = 16, bins: int = 10, prior: float = 4.0):
+        self.bins, self.prior = bins, prior
+        self.seen = torch.zeros(depths, bins + 1)  # the last bin: nodes without a drafter probability
+        self.hits = torch.zeros(depths, bins + 1)
+
+    def _cells(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        depth = (torch.tensor(tree.depths[1:], dtype=torch.long) - 1).clamp(max=self.seen.shape[0] - 1)
+        if tree.probs is None:
+            q = torch.full((tree.size,), 0.5)
+            b = torch.full((tree.size,), self.bins, dtype=torch.long)
+        else:
+            q = torch.tensor(tree.probs[1:], dtype=torch.float32).clamp(0, 1)
+            b = (q * self.bins).long().clamp(max=self.bins - 1)
+        return depth, b, q
+
+    def node_values(self, tree: DraftTree) -> torch.Tensor:
+        """Calibrated probability [size] that the target walks down to each draft node."""
+        depth, b, q = self._cells(tree)
+        rate = (self.hits[depth, b] + self.prior * q) / (self.seen[depth, b] + self.prior)
+        values = [1.0]
+        for node, r in enumerate(rate.tolist(), start=1):
+            values.append(values[tree.parents[node]] * r)
+        return torch.tensor(values[1:])
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        """Every child of an accepted node was a trial: accepted if it is on the path."""
+        if tree.size == 0:
+            return
+        on_path = set(path)
+        tried = [i for i in range(1, len(tree)) if tree.parents[i] in on_path]
+        if not tried:
+            return
+        depth, b, _ = self._cells(tree)
+        index = torch.tensor(tried, dtype=torch.long) - 1
+        self.seen.index_put_((depth[index], b[index]), torch.ones(len(tried)), accumulate=True)
+        hit = torch.tensor([float(i in on_path) for i in tried])
+        self.hits.index_put_((depth[index], b[index]), hit, accumulate=True)
+
+
+class Policy:
+    """The per-(target, drafter) state of cost-aware speculation; `max_budget` caps the trees it drafts."""
+
+    PROBE_EVERY = 8  # AR rounds between two drafting rounds when drafting does not pay
+
+    def __init__(self, costs: VerifyCosts, max_budget: int):
+        self.costs, self.max_budget = costs, max_budget
+        self.calibration = Calibration()
+        self.draft_s: float | None = None  # EMA of the drafting time (forward + tree build)
+        self.gain: float | None = None  # EMA of a drafted round's predicted gain over an AR step, in tokens
+        self.tokens, self.seconds = 1.0, costs(1)  # EMAs whose ratio is λ, the achieved tokens per second
+        self.skipped = 0  # AR rounds since the last drafting round
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def should_draft(self) -> bool:
+        if self.gain is None or self.draft_s is None or self.skipped >= self.PROBE_EVERY:
+            return True
+        return self.gain > self.rate * self.draft_s
+
+    def choose(self, tree: DraftTree) -> DraftTree:
+        """The prefix of `tree` that maximises E[committed tokens] - λ x verification time."""
+        values = self.calibration.node_values(tree)
+        expected = torch.cat([torch.ones(1), 1 + values.cumsum(0)])  # E(n) for n = 0..size
+        cost = torch.tensor([self.costs(n + 1) for n in range(tree.size + 1)])
+        net = expected - self.rate * cost
+        n = int(net.argmax())
+        self.gain = _ema(self.gain, float(net[n] - net[0]))
+        return tree.prefix(n)
+
+    def observe(self, tree: DraftTree, path: list[int], committed: int, draft_s: float, verify_s: float,
+                drafted: bool) -> None:
+        self.costs.observe(len(tree), verify_s)
+        self.calibration.observe(tree, path)
+        if drafted:
+            self.draft_s, self.skipped = _ema(self.draft_s, draft_s), 0
+        else:
+            self.skipped += 1
+        self.tokens = _ema(self.tokens, committed)
+        self.seconds = _ema(self.seconds, draft_s + verify_s)
+
+
+def _ema(old: float | None, new: float, rate: float = 0.2) -> float:
+    return new if old is None else old + rate * (new - old)
+
+
+_costs: "weakref.WeakKeyDictionary[object, VerifyCosts]" = weakref.WeakKeyDictionary()
+_policies: "weakref.WeakKeyDictionary[object, dict[int, Policy]]" = weakref.WeakKeyDictionary()
+
+
+def policy_for(target, drafter, max_budget: int) -> Policy:
+    """The policy of this drafter on this target (made on first use; the verification costs are the target's,
+    measured once and shared by all its drafters)."""
+    if target not in _costs:
+        _costs[target] = VerifyCosts.measure(target, max_budget + 1)
+    per_target = _policies.setdefault(drafter, {})
+    key = id(target)
+    if key not in per_target or per_target[key].max_budget != max_budget:
+        per_target[key] = Policy(_costs[target], max_budget)
+    return per_target[key]
