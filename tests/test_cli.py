@@ -32,10 +32,12 @@ def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
                  "--max-new-tokens", "12", "--out", str(out), "--no-progress"]) == 0
     report = json.loads(out.read_text())
     assert report["target"] == tiny_folder and report["dataset"] == "gsm8k" and report["num_prompts"] == 2
-    assert report["budgets"] == [16] and report["temperature"] == 0.0 and report["max_new_tokens"] == 12
+    assert report["budgets"] == ["auto"] and report["temperature"] == 0.0 and report["max_new_tokens"] == 12
+    assert report["dtype"] == "float32" and report["runtime"] == "static" and report["max_budget"] == 32
     assert set(report["methods"]) == {"ar", "pld"}
     for m in report["methods"].values():
         assert isinstance(m["tau"], float) and m["tau"] >= 1.0
+        assert 0 <= m["ar_round_share"] <= 1 and 0 <= m["mean_tree_size"] <= 32
         assert m["tokens_per_second"] > 0 and m["speedup_vs_ar"] > 0
         assert m["matches_ar"] is True and 2 <= m["new_tokens"] <= 24
     assert report["methods"]["ar"]["tau"] == 1.0
@@ -51,6 +53,22 @@ def test_bench_sweeps_budgets_in_one_run(tiny_folder, tmp_path):
     assert set(methods) == {"ar", "pld@2", "pld@8"}
     assert [methods[m]["budget"] for m in ("ar", "pld@2", "pld@8")] == [None, 2, 8]
     assert all(m["matches_ar"] for m in methods.values())
+
+
+def test_bench_baselines_in_the_same_run(tiny_folder, tmp_path, capsys):
+    """transformers' generate and its prompt lookup run beside ours; llama.cpp is skipped where not installed."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", tiny_folder, "--dataset", "gsm8k", "--limit", "2", "--methods",
+                 "pld,hf,hf-pld,llamacpp", "--budget", "8", "--max-new-tokens", "10", "--out", str(out),
+                 "--no-progress"]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    for name in ("hf", "hf-pld"):
+        m = methods[name]
+        assert m["matches_ar"] is True and m["budget"] is None and m["tau"] >= 1.0 and m["speedup_vs_ar"] > 0
+    assert methods["hf"]["tau"] == 1.0
+    if "skipped" in methods["llamacpp"]:  # llama-cpp-python is an optional extra
+        assert "llama-cpp-python" in methods["llamacpp"]["skipped"]
+        assert "skipped" in capsys.readouterr().out
 
 
 def test_bench_at_temperature_has_no_exactness(tiny_folder, tmp_path):

@@ -62,10 +62,10 @@ def exact_joint(target, sampling) -> torch.Tensor:
     return torch.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-def chi_square_pvalue(target, sampling, drafter) -> float:
+def chi_square_pvalue(target, sampling, drafter, budget=16) -> float:
     counts = torch.zeros(VOCAB, VOCAB)
     for seed in range(SAMPLES):
-        t = generate(target, drafter, PROMPT, max_new_tokens=3, sampling=sampling, budget=16, seed=seed).tokens
+        t = generate(target, drafter, PROMPT, max_new_tokens=3, sampling=sampling, budget=budget, seed=seed).tokens
         counts[t[1], t[2]] += 1
     expected = exact_joint(target, sampling).flatten() * SAMPLES
     observed = counts.flatten()

@@ -35,15 +35,25 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _methods(text: str) -> list[str]:
+def _methods(text: str, baselines: bool = False) -> list[str]:
     from .drafters import METHODS
+    from .eval.baselines import BASELINES
 
+    known = METHODS + BASELINES if baselines else METHODS
     names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
+    unknown = [m for m in names if m not in known]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown method {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(METHODS)}")
+                                         f"choose from {', '.join(known)}")
     return names
+
+
+def _budget(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else _positive_int(text)
+
+
+def _budgets(text: str) -> list:
+    return [_budget(x) for x in text.split(",") if x.strip()] or [_budget(text)]
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -54,22 +64,35 @@ def _paths(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers: bool = False) -> None:
+def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers: bool = False,
+                       paired: bool = False) -> None:
     """Decoding options; with `sweep` (bench, paired), --budget and --tfm-width take comma-separated lists, with
     `weavers` (paired) --weaver too."""
     from .target import DEFAULT_TARGET
 
     ints, several = (_positive_ints, "; a list such as 16,64 runs each") if sweep else (_positive_int, "")
-    p.add_argument("--budget", type=ints, default=[16] if sweep else 16,
-                   help=f"draft nodes per tree, root excluded (16{several})")
+    if paired:
+        p.add_argument("--budget", type=_positive_ints, default=[16],
+                       help="draft nodes per tree, root excluded (16; a list such as 16,64 runs each)")
+    else:
+        p.add_argument("--budget", type=_budgets if sweep else _budget, default=["auto"] if sweep else "auto",
+                       help="draft nodes per tree, root excluded, or auto (default): each round the tree prefix "
+                       "that maximises expected tokens per second, or a plain AR step when none pays"
+                       + ("; a list such as auto,16,64 runs each" if sweep else ""))
+        p.add_argument("--max-budget", type=_positive_int, default=32, help="the largest tree auto drafts (32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1 = off)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--target", default=DEFAULT_TARGET, help="Hub id, local folder or .gguf file "
                    f"(default: the embedded {DEFAULT_TARGET})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="target precision; float32 is exact against AR, bfloat16 is faster on recent CPUs")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="target precision; float32 (default) is exact against AR; bfloat16 is faster where the "
+                   "hardware multiplies it natively, but batched rounding can flip a near-tie; auto: bfloat16 "
+                   "there, else float32")
+    p.add_argument("--runtime", default="auto", choices=["auto", "static", "hf"],
+                   help="target runtime: the static-cache fast path where the architecture has one (auto), or the "
+                   "generic Hugging Face forward (hf, the reference)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree/tfm "
@@ -105,11 +128,13 @@ def build_parser() -> Parser:
         b.add_argument("--field", default=None, help="prompt field of a .jsonl file "
                        "(default: the first of prompt, question, problem, text, turns)")
         b.add_argument("--limit", type=_positive_int, default=10, help="number of prompts (10)")
-        b.add_argument("--methods", type=_methods, default=None, help=f"comma-separated ({','.join(METHODS)}; "
-                       "default: those with a drafter shipped for the target)")
+        b.add_argument("--methods", type=(lambda t: _methods(t, baselines=True)) if name == "bench" else _methods,
+                       default=None, help=f"comma-separated ({','.join(METHODS)}"
+                       + (", and the baselines hf, hf-pld, llamacpp" if name == "bench" else "")
+                       + "; default: those with a drafter shipped for the target)")
         b.add_argument("--out", default=None, help="write the results as JSON to this file")
         b.add_argument("--no-progress", action="store_true")
-        _add_decoding_args(b, sweep=True, weavers=name == "paired")
+        _add_decoding_args(b, sweep=True, weavers=name == "paired", paired=name == "paired")
     o = sub.add_parser("overhead", help="engine cost on top of bare target forwards (AR round, 17-node tree)")
     o.add_argument("--context", type=_positive_int, default=200, help="cache length (200)")
     o.add_argument("--repeats", type=_positive_int, default=20)
@@ -231,7 +256,7 @@ def _sampling(args):
 def _load_target(args):
     from .target import Target
 
-    return Target.load(args.target, dtype=args.dtype, device=args.device)
+    return Target.load(args.target, dtype=args.dtype, device=args.device, runtime=getattr(args, "runtime", "auto"))
 
 
 def _encode(target, text: str) -> list[int]:
@@ -270,8 +295,8 @@ def cmd_generate(args) -> None:
             printed = text
 
     drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width)
-    result = generate(target, drafter, prompt, args.max_new_tokens, sampling,
-                      args.budget, seed=args.seed, on_token=None if args.json else stream)
+    result = generate(target, drafter, prompt, args.max_new_tokens, sampling, args.budget, seed=args.seed,
+                      on_token=None if args.json else stream, max_budget=args.max_budget)
     if args.json:
         print(json.dumps({
             "target": args.target, "method": args.method, "text": target.decode(result.tokens),
@@ -325,20 +350,24 @@ def cmd_bench(args) -> None:
         args.methods = available_methods(args.target, args.drafter, args.weaver)
     if "tfm" in args.methods:
         _require_weaver(args)
+    import torch
+
     target = _load_target(args)
     for p in prompts:
         _encode(target, p)
     started = time.time()
     methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
                         progress=not args.no_progress, drafter_path=args.drafter, weaver_path=args.weaver,
-                        tfm_widths=args.tfm_width)
+                        tfm_widths=args.tfm_width, max_budget=args.max_budget)
+    dtype = str(target.dtype).removeprefix("torch.")
     report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budgets": args.budget,
-              "tfm_widths": args.tfm_width,
+              "max_budget": args.max_budget, "tfm_widths": args.tfm_width,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-              "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "seconds": time.time() - started,
-              "methods": methods}
-    print(f"{args.dataset}: {len(prompts)} prompts, budget {','.join(map(str, args.budget))}, T = {args.temperature}, "
-          f"{args.max_new_tokens} new tokens, target {args.target} ({args.dtype})")
+              "max_new_tokens": args.max_new_tokens, "dtype": dtype, "runtime": target.runtime,
+              "threads": torch.get_num_threads(), "seconds": time.time() - started, "methods": methods}
+    print(f"{args.dataset}: {len(prompts)} prompts, budget {','.join(map(str, args.budget))} (max {args.max_budget}), "
+          f"T = {args.temperature}, {args.max_new_tokens} new tokens, target {args.target} ({dtype}, "
+          f"{target.runtime} runtime, {torch.get_num_threads()} threads)")
     print(format_table(methods))
     if args.out:
         with open(args.out, "w") as f:

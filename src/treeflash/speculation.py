@@ -48,8 +48,9 @@ class VerifyCosts:
         best = {}
         for _ in range(repeats):
             for n in sizes:
-                parents = [-1] + [int(torch.randint(i, (), generator=g)) for i in range(1, n)]
-                tree = DraftTree.from_parents(range(n), parents)
+                # a bushy tree; siblings are at most 3 nodes apart, so their tokens i % vocab differ
+                parents = [-1] + [int(torch.randint(max(i - 3, 0), i, (), generator=g)) for i in range(1, n)]
+                tree = DraftTree.from_parents([i % vocab for i in range(n)], parents)
                 start = now(target.device)
                 target.verify(tree)
                 target.discard()  # every measurement sees the same context
@@ -121,7 +122,7 @@ class Calibration:
 class Policy:
     """The per-(target, drafter) state of cost-aware speculation; `max_budget` caps the trees it drafts."""
 
-    PROBE_EVERY = 8  # AR rounds between two drafting rounds when drafting does not pay
+    PROBE_EVERY = (8, 128)  # AR rounds before drafting again to check: doubles while drafting does not pay
 
     def __init__(self, costs: VerifyCosts, max_budget: int):
         self.costs, self.max_budget = costs, max_budget
@@ -130,15 +131,22 @@ class Policy:
         self.gain: float | None = None  # EMA of a drafted round's predicted gain over an AR step, in tokens
         self.tokens, self.seconds = 1.0, costs(1)  # EMAs whose ratio is λ, the achieved tokens per second
         self.skipped = 0  # AR rounds since the last drafting round
+        self.probe_every = self.PROBE_EVERY[0]
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds
 
     def should_draft(self) -> bool:
-        if self.gain is None or self.draft_s is None or self.skipped >= self.PROBE_EVERY:
+        if self.gain is None or self.draft_s is None:
             return True
-        return self.gain > self.rate * self.draft_s
+        if self.gain > self.rate * self.draft_s:
+            self.probe_every = self.PROBE_EVERY[0]
+            return True
+        if self.skipped >= self.probe_every:  # a probe: the text may have become easier to draft
+            self.probe_every = min(2 * self.probe_every, self.PROBE_EVERY[1])
+            return True
+        return False
 
     def choose(self, tree: DraftTree) -> DraftTree:
         """The prefix of `tree` that maximises E[committed tokens] - λ x verification time."""

@@ -1,7 +1,9 @@
 """`treeflash bench`: every method on the same prompts, interleaved, in one run; τ, speed and exactness.
 
-A run can sweep budgets and tfm widths: every (method, budget, width) variant decodes every prompt in the same
-run, so their ratios share the same machine noise. `ar` is the reference (speed and exactness) and runs once.
+A run can sweep budgets (numbers, or "auto": cost-aware speculation) and tfm widths: every (method, budget, width)
+variant decodes every prompt in the same run, so their ratios share the same machine noise. `ar` is the reference
+(speed and exactness) and runs once. The baselines of other engines (eval/baselines.py: `hf`, `hf-pld`,
+`llamacpp`) run in the same interleaving; one that cannot run here is reported as skipped.
 """
 
 from __future__ import annotations
@@ -11,20 +13,21 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..drafters import make_drafter
-from ..engine import generate
+from ..engine import AUTO, DEFAULT_MAX_BUDGET, generate
 from ..target import Target
 from ..verify import Sampling
+from .baselines import BASELINES, BaselineUnavailable, make_baseline
 
 
 @dataclass(frozen=True)
 class Variant:
     method: str
-    budget: int
+    budget: int | str  # a number of draft nodes, or "auto"
     width: int | None = None  # tfm only: nodes expanded per Weaver call
 
     def name(self, several_budgets: bool, several_widths: bool) -> str:
         name = self.method
-        if several_budgets and self.method != "ar":
+        if several_budgets and self.method not in ("ar", *BASELINES):
             name += f"@{self.budget}"
         if several_widths and self.width is not None:
             name += f"/w{self.width}"
@@ -32,10 +35,14 @@ class Variant:
 
 
 def variants(methods: list[str], budgets: list[int], tfm_widths: list[int]) -> list[Variant]:
-    """`ar` first and once (added if missing); every other method at every budget (tfm at every width)."""
+    """`ar` first and once (added if missing), the baselines once each; every other method at every budget (tfm
+    at every width)."""
     out = [Variant("ar", budgets[0])]
     for m in methods:
         if m == "ar":
+            continue
+        if m in BASELINES:
+            out.append(Variant(m, budgets[0]))
             continue
         for b in budgets:
             out += [Variant(m, b, w) for w in tfm_widths] if m == "tfm" else [Variant(m, b)]
@@ -49,6 +56,8 @@ class Totals:
     round_tokens: int = 0  # tokens committed in decode rounds (τ's numerator)
     round_expected: float = 0.0  # their expectations given the trees (τ without acceptance noise at T > 0)
     rounds: int = 0
+    drafted_nodes: int = 0  # draft nodes verified, over all rounds (the chosen tree sizes)
+    ar_rounds: int = 0  # rounds that verified no draft node (cost-aware speculation found no tree that pays)
     draft_s: float = 0.0  # the drafter's whole turn: its forward and the tree build
     forward_s: float = 0.0  # of which the block drafter's forward
     verify_s: float = 0.0
@@ -56,25 +65,40 @@ class Totals:
     outputs: list[list[int]] = field(default_factory=list)
 
 
-def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: list[int] = (16,),
+def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: list = (AUTO,),
               sampling: Sampling = Sampling(), max_new_tokens: int = 128, seed: int = 0,
               progress: bool = True, drafter_path: str | None = None, weaver_path: str | None = None,
-              tfm_widths: list[int] = (8,)) -> dict:
+              tfm_widths: list[int] = (8,), max_budget: int = DEFAULT_MAX_BUDGET) -> dict:
     """Run every variant of `methods` x `budgets` (x `tfm_widths` for tfm) on every prompt, interleaved."""
-    runs, drafters, loaded, seen = [], {}, {}, set()
+    runs, drafters, loaded, seen, skipped, stock = [], {}, {}, set(), {}, {}
     for v in variants(methods, list(budgets), list(tfm_widths)):
+        if v.method in BASELINES:
+            try:
+                drafters[v] = make_baseline(v.method, target, stock)
+                runs.append(v)
+            except BaselineUnavailable as why:
+                skipped[v.method] = str(why)
+            continue
         if (v.method, v.width) not in loaded:  # one drafter per method and width, shared by every budget
             loaded[v.method, v.width] = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8)
         drafter = loaded[v.method, v.width]
         chain = drafter.model.config.block_size - 1 if v.method == "dflash" else None
-        key = (v.method, min(v.budget, chain) if chain else v.budget, v.width)
+        key = (v.method, min(v.budget, chain) if chain and v.budget != AUTO else v.budget, v.width)
         if key not in seen:  # a chain never outgrows its block: larger budgets would draft the same trees
             seen.add(key)
             runs.append(v)
             drafters[v] = drafter
+
+    def decode(v: Variant, prompt: list[int], tokens: int, seed: int) -> tuple[list[int], float, list]:
+        if v.method in BASELINES:
+            out, seconds, forwards = drafters[v](prompt, tokens, sampling, seed)
+            return out, seconds, [len(out) - 1, forwards]
+        r = generate(target, drafters[v], prompt, tokens, sampling, v.budget, seed=seed, max_budget=max_budget)
+        return r.tokens, r.seconds, r.rounds
+
     encoded = [target.encode_prompt(p) for p in prompts]
-    for v, drafter in drafters.items():  # warm-up: first calls pay for allocations and lazy initialisation
-        generate(target, drafter, encoded[0], max_new_tokens=8, sampling=sampling, budget=v.budget, seed=seed)
+    for v in runs:  # warm-up: first calls pay for allocations, lazy initialisation and the cost measurement
+        decode(v, encoded[0], 8, seed)
 
     totals = {v: Totals() for v in runs}
     bar = tqdm(total=len(encoded) * len(runs), desc="bench", unit="run", disable=not progress, leave=False)
@@ -82,18 +106,25 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
         for v in runs:  # interleaved, so that machine noise hits every variant alike
             drafter, t = drafters[v], totals[v]
             forward_s, calls = getattr(drafter, "forward_s", 0.0), getattr(drafter, "adapter_calls", 0)
-            r = generate(target, drafter, prompt, max_new_tokens, sampling, v.budget, seed=seed + i)
+            tokens, seconds, rounds = decode(v, prompt, max_new_tokens, seed + i)
             t.forward_s += getattr(drafter, "forward_s", 0.0) - forward_s
             t.adapter_calls += getattr(drafter, "adapter_calls", 0) - calls
-            t.new_tokens += len(r.tokens)
-            t.seconds += r.seconds
-            t.round_tokens += sum(x.accepted for x in r.rounds)
-            t.round_expected += sum(x.expected for x in r.rounds)
-            t.rounds += len(r.rounds)
-            t.draft_s += sum(x.draft_s for x in r.rounds)
-            t.verify_s += sum(x.verify_s for x in r.rounds)
-            t.outputs.append(r.tokens)
+            t.new_tokens += len(tokens)
+            t.seconds += seconds
+            t.outputs.append(tokens)
             bar.update()
+            if v.method in BASELINES:  # no rounds of ours: τ from the target forwards they made
+                t.round_tokens += rounds[0]
+                t.round_expected += rounds[0]
+                t.rounds += rounds[1]
+                continue
+            t.round_tokens += sum(x.accepted for x in rounds)
+            t.round_expected += sum(x.expected for x in rounds)
+            t.rounds += len(rounds)
+            t.drafted_nodes += sum(x.tree_size for x in rounds)
+            t.ar_rounds += sum(x.tree_size == 0 for x in rounds)
+            t.draft_s += sum(x.draft_s for x in rounds)
+            t.verify_s += sum(x.verify_s for x in rounds)
     bar.close()
 
     ar = totals[runs[0]]
@@ -104,7 +135,8 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
         tps = t.new_tokens / t.seconds
         per_round = 1e3 / max(t.rounds, 1)
         report[v.name(several_budgets, several_widths)] = {
-            "method": v.method, "budget": None if v.method == "ar" else v.budget, "tfm_width": v.width,
+            "method": v.method, "budget": None if v.method in ("ar", *BASELINES) else v.budget,
+            "tfm_width": v.width,
             "tau": t.round_tokens / max(t.rounds, 1),
             # the same mean as tau at T > 0 (equal at T = 0), without the noise of the acceptance draws
             "expected_tau": t.round_expected / max(t.rounds, 1),
@@ -115,26 +147,34 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             "prompts_matching_ar": sum(o == a for o, a in zip(t.outputs, ar.outputs)) if sampling.greedy else None,
             "new_tokens": t.new_tokens,
             "rounds": t.rounds,
+            "mean_tree_size": t.drafted_nodes / max(t.rounds, 1),  # draft nodes verified per round
+            "ar_round_share": t.ar_rounds / max(t.rounds, 1),  # rounds that verified no draft (AR steps)
             "draft_ms_per_round": t.draft_s * per_round,
             "drafter_forward_ms_per_round": t.forward_s * per_round,
             "tree_build_ms_per_round": (t.draft_s - t.forward_s) * per_round,
             "adapter_calls_per_round": t.adapter_calls / max(t.rounds, 1),
             "verify_ms_per_round": t.verify_s * per_round,
         }
+    for name, why in skipped.items():
+        report[name] = {"method": name, "skipped": why}
     return report
 
 
 def format_table(methods: dict) -> str:
-    """τ (E[tau]: its expectation given the trees, less noisy at T > 0), speed, exactness and the cost of a round:
-    drafter forward, tree build (AR layer / Weaver calls included), target verification (with acceptance and
-    commit)."""
+    """τ (E[tau]: its expectation given the trees, less noisy at T > 0), speed, exactness, the chosen tree size and
+    share of AR rounds, and the cost of a round: drafter forward, tree build (AR layer / Weaver calls included),
+    target verification (with acceptance and commit)."""
     head = (f"{'method':<14} {'tau':>6} {'E[tau]':>6} {'tok/s':>7} {'speedup':>8} {'matches_ar':>10} {'new_tok':>7} "
-            f"{'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9}")
+            f"{'size':>5} {'AR %':>5} {'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9}")
     lines = [head, "-" * len(head)]
     for name, m in methods.items():
+        if "skipped" in m:
+            lines.append(f"{name:<14} skipped: {m['skipped']}")
+            continue
         match = "-" if m["matches_ar"] is None else str(m["matches_ar"]).lower()
         lines.append(f"{name:<14} {m['tau']:>6.2f} {m['expected_tau']:>6.2f} {m['tokens_per_second']:>7.2f} "
                      f"{m['speedup_vs_ar']:>7.2f}x {match:>10} {m['new_tokens']:>7} "
+                     f"{m['mean_tree_size']:>5.1f} {100 * m['ar_round_share']:>5.1f} "
                      f"{m['drafter_forward_ms_per_round']:>7.1f} {m['tree_build_ms_per_round']:>7.1f} "
                      f"{m['adapter_calls_per_round']:>6.1f} {m['verify_ms_per_round']:>9.1f}")
     return "\n".join(lines)
