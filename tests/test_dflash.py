@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from treeflash import generate
 from treeflash.drafters import BlockDrafter, make_drafter
-from treeflash.models.dflash import DFlashConfig, DFlashDrafter, DrafterError, tap_layers
+from treeflash.models.dflash import ContextCache, DFlashConfig, DFlashDrafter, DrafterError, tap_layers
 from treeflash.trees import best_first_tree, chain_tree
 
 from conftest import tiny_target
@@ -85,9 +85,23 @@ def test_context_cache_equals_a_fresh_context():
     for a, b in ((0, 5), (5, 6), (6, 12)):
         drafter.observe(feats[a:b])
     whole = drafter.model.context_kv(drafter.model.fuse(feats), torch.arange(12))
-    for (k, v), (k2, v2) in zip(drafter.ctx_kv, whole):
+    for (k, v), (k2, v2) in zip(drafter.context.layers(), whole):
         torch.testing.assert_close(k, k2)
         torch.testing.assert_close(v, v2)
+    # drafting over the static buffers (block K/V written in place) equals drafting over concatenated copies
+    torch.testing.assert_close(drafter.model.draft_states(3, 12, drafter.context),
+                               drafter.model.draft_states(3, 12, whole))
+
+
+def test_context_cache_grows():
+    target = tiny_target("llama")
+    model = tiny_drafter(target)
+    cache, feats = ContextCache(model, capacity=4), torch.randn(30, 2, 64)
+    for a in range(0, 30, 7):
+        cache.append(model.context_kv(model.fuse(feats[a:a + 7]), torch.arange(a, min(a + 7, 30))))
+    whole = model.context_kv(model.fuse(feats), torch.arange(30))
+    assert len(cache) == 30
+    torch.testing.assert_close(model.draft_states(5, 30, cache), model.draft_states(5, 30, whole))
 
 
 def test_tree_builders():
@@ -109,3 +123,36 @@ def test_block_drafting_is_lossless(kind, method):
         ar = generate(target, make_drafter("ar"), prompt, 40).tokens
         for budget in (1, 5, 16):
             assert generate(target, drafter, prompt, 40, budget=budget).tokens == ar
+
+
+def test_draft_vocabulary_scores_only_its_tokens(tmp_path):
+    """FR-Spec: `data rank` writes the ranking, config.json's draft_vocab_size picks its prefix; the head's scores
+    on those tokens are unchanged, every other token is -inf, and decoding stays lossless."""
+    from treeflash.cli import main
+    from treeflash.drafters.dflash import load_block_drafter
+
+    target = tiny_target("llama")
+    tiny_drafter(target, seed=1).save_pretrained(tmp_path / "d", dtype=torch.float32)
+    data = tmp_path / "regen"
+    data.mkdir()
+    rows = [{"id": f"x/{i}", "prompt_ids": [1], "response_ids": [5, 5, 5, 7, 7, 9, i % 96]} for i in range(40)]
+    (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "rank", "--data", str(data), "--drafter", str(tmp_path / "d"), "--size", "24"]) == 0
+    ranking = json.loads((tmp_path / "d" / "token_ranking.json").read_text())["ranking"]
+    assert ranking[:3] == [5, 7, 9] and len(ranking) == 40
+
+    full = load_block_drafter("ddtree", target, tmp_path / "d", draft_vocab_size=0)
+    small = load_block_drafter("ddtree", target, tmp_path / "d")  # 24, from config.json
+    assert full.model.draft_vocab is None and small.model.draft_vocab.tolist() == sorted(ranking[:24])
+    h = torch.randn(3, 64)
+    a, b = full.model.logits(h), small.model.logits(h)
+    keep = small.model.draft_vocab
+    torch.testing.assert_close(b[:, keep], a[:, keep])
+    others = torch.ones(96, dtype=torch.bool)
+    others[keep] = False
+    assert torch.isinf(b[:, others]).all()
+    prompt = repetitive_prompt(random.Random(2), 96)
+    ar = generate(target, make_drafter("ar"), prompt, 30).tokens
+    assert generate(target, small, prompt, 30, budget=8).tokens == ar
+    with pytest.raises(DrafterError, match="ranks 40 tokens"):
+        load_block_drafter("ddtree", target, tmp_path / "d", draft_vocab_size=50)

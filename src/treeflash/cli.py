@@ -101,6 +101,9 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
                    help="Weaver folder for tfm (written by `treeflash train weaver`; default: the one shipped for the "
                    "target)" + ("; a list A,B compares checkpoints: every tfm variant once per Weaver, named "
                                 "#1, #2, ..." if weavers else ""))
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the drafter's LM head scores only the N most frequent tokens (FR-Spec; default: as the "
+                   "drafter's config.json says; 0: every token)")
     p.add_argument("--tfm-width", type=ints, default=[8] if sweep else 8,
                    help=f"tfm: nodes expanded per Weaver call (8{several})")
 
@@ -188,6 +191,13 @@ def build_parser() -> Parser:
     rg.add_argument("--seed", type=int, default=0, help="prompt order, and the samples at temperature > 0")
     rg.add_argument("--temperature", type=_non_negative_float, default=0.0,
                     help="0: greedy answers (default); > 0: the target's samples at this temperature")
+
+    rk = data.add_parser("rank", help="rank tokens by frequency in regenerated answers, for a drafter's FR-Spec "
+                         "draft vocabulary (writes token_ranking.json beside its config.json)")
+    rk.add_argument("--data", default="data/regen", help="folder(s) written by `treeflash data regen` (commas)")
+    rk.add_argument("--drafter", required=True, help="drafter folder to write token_ranking.json into")
+    rk.add_argument("--size", type=int, default=None,
+                    help="also set draft_vocab_size = N in its config.json (0: the whole vocabulary)")
 
     tr = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True,
                                                                        parser_class=Parser)
@@ -294,7 +304,7 @@ def cmd_generate(args) -> None:
             sys.stdout.flush()
             printed = text
 
-    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width)
+    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width, args.draft_vocab)
     result = generate(target, drafter, prompt, args.max_new_tokens, sampling, args.budget, seed=args.seed,
                       on_token=None if args.json else stream, max_budget=args.max_budget)
     if args.json:
@@ -358,10 +368,10 @@ def cmd_bench(args) -> None:
     started = time.time()
     methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
                         progress=not args.no_progress, drafter_path=args.drafter, weaver_path=args.weaver,
-                        tfm_widths=args.tfm_width, max_budget=args.max_budget)
+                        tfm_widths=args.tfm_width, max_budget=args.max_budget, draft_vocab_size=args.draft_vocab)
     dtype = str(target.dtype).removeprefix("torch.")
     report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budgets": args.budget,
-              "max_budget": args.max_budget, "tfm_widths": args.tfm_width,
+              "max_budget": args.max_budget, "tfm_widths": args.tfm_width, "draft_vocab": args.draft_vocab,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "dtype": dtype, "runtime": target.runtime,
               "threads": torch.get_num_threads(), "seconds": time.time() - started, "methods": methods}
@@ -385,7 +395,8 @@ def cmd_paired(args) -> None:
     if "tfm" in methods:
         _require_weaver(args)
     target = _load_target(args)
-    drafters = paired_drafters(target, methods, args.budget, args.tfm_width, args.drafter, args.weaver)
+    drafters = paired_drafters(target, methods, args.budget, args.tfm_width, args.drafter, args.weaver,
+                               args.draft_vocab)
     encoded = [_encode(target, p) for p in prompts]
     report = run_paired(target, encoded, drafters, _sampling(args), args.max_new_tokens, args.seed,
                         progress=not args.no_progress)
@@ -463,6 +474,9 @@ def cmd_data(args) -> None:
 
     from .train.data import default_data_dir, regenerate, training_prompts
 
+    if args.data_command == "rank":
+        return cmd_rank(args)
+
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     prompts = training_prompts(data_dir, [s.strip() for s in args.sources.split(",") if s.strip()])
     if args.limit:
@@ -470,6 +484,28 @@ def cmd_data(args) -> None:
     report = regenerate(_load_target(args), prompts, Path(args.out), args.max_new_tokens, args.batch_size,
                         seed=args.seed, temperature=args.temperature)
     print(json.dumps(report))
+
+
+def cmd_rank(args) -> None:
+    from pathlib import Path
+
+    from .eval.datasets import DatasetError
+    from .models.dflash import RANKING_FILE
+    from .train.data import load_regen, token_ranking
+
+    folder = Path(args.drafter)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"no drafter at {folder} (config.json missing)")
+    try:
+        ranking, stats = token_ranking(load_regen(args.data))
+    except DatasetError as err:
+        raise UsageError(str(err)) from None
+    (folder / RANKING_FILE).write_text(json.dumps({"data": args.data, **stats, "ranking": ranking}) + "\n")
+    if args.size is not None:
+        config = json.loads((folder / "config.json").read_text())
+        config["draft_vocab_size"] = args.size or None
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(json.dumps({"drafter": str(folder), **stats, "draft_vocab_size": args.size}))
 
 
 def _spread(items: list, n: int) -> list:

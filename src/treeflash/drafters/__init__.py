@@ -12,18 +12,18 @@ METHODS = ("ar", "pld", "dflash", "ddtree", "treeflash", "tfm")
 
 
 def make_drafter(name: str, target=None, drafter_path: str | None = None, weaver_path: str | None = None,
-                 width: int = 8) -> Drafter:
+                 width: int = 8, draft_vocab_size: int | None = None) -> Drafter:
     """The drafter for method `name`. Block drafters read the verifying `target` and a trained drafter
-    (`drafter_path`, default: the one shipped for the target); `tfm` also a Weaver (`weaver_path`) and expands
-    `width` nodes per Weaver call."""
+    (`drafter_path`, default: the one shipped for the target), whose LM head scores `draft_vocab_size` tokens
+    (None: as its config says; 0: all); `tfm` also a Weaver (`weaver_path`) and expands `width` nodes per call."""
     if name == "ar":
         return AutoregressiveDrafter()
     if name == "pld":
         return PromptLookupDrafter()
     if name in ("dflash", "ddtree", "treeflash"):
-        return load_block_drafter(name, target, drafter_path)
+        return load_block_drafter(name, target, drafter_path, draft_vocab_size)
     if name == "tfm":
-        return load_weaver_drafter(target, drafter_path, weaver_path, width)
+        return load_weaver_drafter(target, drafter_path, weaver_path, width, draft_vocab_size)
     raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 
 

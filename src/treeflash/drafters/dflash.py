@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..clock import now
-from ..models.dflash import DFlashDrafter, DrafterError
+from ..models.dflash import ContextCache, DFlashDrafter, DrafterError, draft_vocab
 from ..target import native_bf16
 from ..tree import DraftTree
 from ..trees import best_first_tree, chain_tree, opt_tree
@@ -104,9 +104,12 @@ class BlockDrafter:
         self.reset()
 
     def reset(self) -> None:
-        self.ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.ctx_len = 0
+        self.context = ContextCache(self.model)  # the injected K/V of every committed position, static buffers
         self.last_feature: torch.Tensor | None = None  # fused context feature [H] of the last committed position
+
+    @property
+    def ctx_len(self) -> int:
+        return len(self.context)
 
     @torch.no_grad()
     def observe(self, features: torch.Tensor) -> None:
@@ -114,10 +117,7 @@ class BlockDrafter:
         positions = torch.arange(self.ctx_len, self.ctx_len + len(features), device=features.device)
         fused = self.model.fuse(features)
         self.last_feature = fused[-1]
-        new = self.model.context_kv(fused, positions)
-        self.ctx_kv = new if self.ctx_kv is None else [
-            (torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(self.ctx_kv, new)]
-        self.ctx_len += len(features)
+        self.context.append(self.model.context_kv(fused, positions))
 
     def draft(self, tokens, features) -> torch.Tensor:
         """One drafter forward: pre-norm states [γ - 1, H] of the block after the root tokens[-1]."""
@@ -125,7 +125,7 @@ class BlockDrafter:
         if features is not None and len(features):
             self.observe(features)
         assert self.ctx_len == len(tokens) - 1, "the drafter's context must cover every committed position"
-        h = self.model.draft_states(tokens[-1], self.ctx_len, self.ctx_kv)
+        h = self.model.draft_states(tokens[-1], self.ctx_len, self.context)
         self.forward_s += now(h.device) - start
         return h
 
@@ -143,8 +143,16 @@ def drafting_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native_bf16(device) else torch.float32
 
 
-def load_block_drafter(method: str, target, path: str | Path | None = None) -> BlockDrafter:
+def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = None) -> DFlashDrafter:
+    """A drafter checkpoint attached to `target`, in the drafting dtype, scoring its draft vocabulary
+    (`draft_vocab_size`: None: the config's, 0: every token)."""
+    model = DFlashDrafter.from_pretrained(path, dtype=drafting_dtype(target.device))
+    model = model.attach(target.model).to(target.device)
+    return model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size))
+
+
+def load_block_drafter(method: str, target, path: str | Path | None = None,
+                       draft_vocab_size: int | None = None) -> BlockDrafter:
     kind = "treeflash" if method == "treeflash" else "dflash"
-    model = DFlashDrafter.from_pretrained(path or default_drafter_path(target.name, kind),
-                                          dtype=drafting_dtype(target.device))
-    return BlockDrafter(model.attach(target.model).to(target.device), method)
+    model = load_drafter_model(target, path or default_drafter_path(target.name, kind), draft_vocab_size)
+    return BlockDrafter(model, method)

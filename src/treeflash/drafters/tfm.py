@@ -16,7 +16,7 @@ from ..models.dflash import DFlashDrafter
 from ..models.weaver import BranchCache, Weaver
 from ..tree import DraftTree
 from ..trees import parallel_tree
-from .dflash import BlockDrafter, default_drafter_path, drafting_dtype, shipped_drafter
+from .dflash import BlockDrafter, default_drafter_path, drafting_dtype, load_drafter_model, shipped_drafter
 
 
 class WeaverRound:
@@ -66,12 +66,11 @@ def default_weaver_path(target_name: str, drafter_path: str | Path | None) -> Pa
 
 
 def load_weaver_drafter(target, drafter_path: str | Path | None, weaver_path: str | Path | None,
-                        width: int = 8) -> WeaverDrafter:
+                        width: int = 8, draft_vocab_size: int | None = None) -> WeaverDrafter:
     weaver_path = weaver_path or default_weaver_path(target.name, drafter_path)
     if weaver_path is None:
         raise FileNotFoundError("method tfm needs a Weaver: pass --weaver PATH (a folder written by "
                                 "`treeflash train weaver` on this drafter)")
-    dtype = drafting_dtype(target.device)
-    model = DFlashDrafter.from_pretrained(drafter_path or default_drafter_path(target.name, "dflash"), dtype=dtype)
-    model = model.attach(target.model).to(target.device)
-    return WeaverDrafter(model, Weaver.from_pretrained(weaver_path, dtype=dtype).to(target.device), width)
+    model = load_drafter_model(target, drafter_path or default_drafter_path(target.name, "dflash"), draft_vocab_size)
+    weaver = Weaver.from_pretrained(weaver_path, dtype=drafting_dtype(target.device)).to(target.device)
+    return WeaverDrafter(model, weaver, width)

@@ -68,7 +68,8 @@ class Totals:
 def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: list = (AUTO,),
               sampling: Sampling = Sampling(), max_new_tokens: int = 128, seed: int = 0,
               progress: bool = True, drafter_path: str | None = None, weaver_path: str | None = None,
-              tfm_widths: list[int] = (8,), max_budget: int = DEFAULT_MAX_BUDGET) -> dict:
+              tfm_widths: list[int] = (8,), max_budget: int = DEFAULT_MAX_BUDGET,
+              draft_vocab_size: int | None = None) -> dict:
     """Run every variant of `methods` x `budgets` (x `tfm_widths` for tfm) on every prompt, interleaved."""
     runs, drafters, loaded, seen, skipped, stock = [], {}, {}, set(), {}, {}
     for v in variants(methods, list(budgets), list(tfm_widths)):
@@ -80,7 +81,8 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
                 skipped[v.method] = str(why)
             continue
         if (v.method, v.width) not in loaded:  # one drafter per method and width, shared by every budget
-            loaded[v.method, v.width] = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8)
+            loaded[v.method, v.width] = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8,
+                                                     draft_vocab_size)
         drafter = loaded[v.method, v.width]
         chain = drafter.model.config.block_size - 1 if v.method == "dflash" else None
         key = (v.method, min(v.budget, chain) if chain and v.budget != AUTO else v.budget, v.width)

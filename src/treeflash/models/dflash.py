@@ -45,6 +45,9 @@ class DFlashConfig:
     target_layer_ids: list[int]
     block_size: int = 16
     mask_token_id: int | None = None  # None: a learned mask embedding (the target has no mask token)
+    # FR-Spec: at inference the LM head scores only the N most frequent tokens of the regenerated answers
+    # (token_ranking.json, written by `treeflash data rank`); None: the whole vocabulary
+    draft_vocab_size: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     # TreeFlash: {"kind": "swiglu"|"linear", "prev_tokens": 1|2, "intermediate_size": I}; None for plain DFlash
@@ -153,13 +156,20 @@ class Attention(nn.Module):
         return rope(k, positions, c.rope_theta), v
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """h [T, H] block states; ctx_k/v [C, kv_heads, head_dim]; mask [T, C + T] bool (None: see all)."""
+                mask: torch.Tensor | None, ctx_len: int | None = None) -> torch.Tensor:
+        """h [T, H] block states; ctx_k/v [C, kv_heads, head_dim]; mask [T, C + T] bool (None: see all).
+        With `ctx_len`, ctx_k/v are static buffers (ContextCache) holding the context in their first ctx_len rows:
+        the block's K/V are written after it, in place, instead of concatenated to a copy of the context."""
         c = self.c
         q = rope(self.q_norm(self.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
                  c.rope_theta)
         k, v = self.kv(h, positions)
-        k, v = torch.cat([ctx_k, k]), torch.cat([ctx_v, v])
+        if ctx_len is None:
+            k, v = torch.cat([ctx_k, k]), torch.cat([ctx_v, v])
+        else:
+            end = ctx_len + len(h)
+            ctx_k[ctx_len:end], ctx_v[ctx_len:end] = k, v
+            k, v = ctx_k[:end], ctx_v[:end]
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                              enable_gqa=c.num_attention_heads != c.num_key_value_heads)
@@ -185,9 +195,43 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, h, positions, ctx_k, ctx_v, mask):
-        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, mask)
+    def forward(self, h, positions, ctx_k, ctx_v, mask, ctx_len=None):
+        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, mask, ctx_len)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ContextCache:
+    """The injected context K/V of one sequence in preallocated buffers [layers, capacity, kv_heads, head_dim]:
+    appending copies only the new positions, and a drafting forward writes its block's K/V after the context
+    in place (nothing is concatenated per round). The buffers double when they must grow."""
+
+    def __init__(self, model: "DFlashDrafter", capacity: int = 512):
+        c, w = model.config, model.fc.weight
+        shape = (c.num_hidden_layers, capacity, c.num_key_value_heads, c.head_dim)
+        self.k, self.v = w.new_zeros(shape), w.new_zeros(shape)
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def reserve(self, length: int) -> None:
+        if length > self.k.shape[1]:
+            k, v = self.k, self.v
+            shape = (k.shape[0], max(length, 2 * k.shape[1]), *k.shape[2:])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+            self.k[:, :self.length], self.v[:, :self.length] = k[:, :self.length], v[:, :self.length]
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Per layer (k, v) [m, kv_heads, head_dim] of m new positions."""
+        m = len(kv[0][0])
+        self.reserve(self.length + m)
+        for i, (k, v) in enumerate(kv):
+            self.k[i, self.length:self.length + m], self.v[i, self.length:self.length + m] = k, v
+        self.length += m
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, views of the context's (k, v)."""
+        return [(k[:self.length], v[:self.length]) for k, v in zip(self.k, self.v)]
 
 
 class DFlashDrafter(nn.Module):
@@ -203,7 +247,8 @@ class DFlashDrafter(nn.Module):
         if c.mask_token_id is None:
             self.mask_embedding = nn.Parameter(0.02 * torch.randn(c.hidden_size))
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered as submodules
-        self._head_cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (the head's weight, its cast copy)
+        self._head_cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (the head's weight, its cast rows)
+        self.draft_vocab: torch.Tensor | None = None  # inference only: token ids the LM head scores (use_draft_vocab)
         self.backbone_folder: Path | None = None  # loaded as an AR layer over this DFlash folder (see save_pretrained)
         self.apply(self._init)
         self.ar_layer = None
@@ -274,8 +319,14 @@ class DFlashDrafter(nn.Module):
         return torch.cat([first, masks], dim=1).flatten(0, 1)
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
-        """Final block states, before the final norm (where TreeFlash's AR layer acts)."""
+        """Final block states, before the final norm (where TreeFlash's AR layer acts). `ctx_kv`: per layer
+        (k, v) of the context, or a ContextCache."""
         h = x.to(self.fc.weight.dtype)
+        if isinstance(ctx_kv, ContextCache):
+            ctx_kv.reserve(len(ctx_kv) + len(x))
+            for layer, k, v in zip(self.layers, ctx_kv.k, ctx_kv.v):
+                h = layer(h, positions, k, v, mask, len(ctx_kv))
+            return h
         for layer, (k, v) in zip(self.layers, ctx_kv):
             h = layer(h, positions, k, v, mask)
         return h
@@ -294,14 +345,27 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, then the target's LM head, in the drafter's dtype: a bf16 drafter over an fp32 target
-        multiplies by a bf16 copy of the head (made once), the costliest product of a drafting round."""
+        multiplies by a bf16 copy of the head (made once), the costliest product of a drafting round. With a draft
+        vocabulary only its rows are multiplied, and every other token gets -inf."""
         x = self.norm(h).to(self.fc.weight.dtype)
         head = self.lm_head
-        if head.weight.dtype == x.dtype:
+        if head.weight.dtype == x.dtype and self.draft_vocab is None:
             return head(x)
         if self._head_cast is None or self._head_cast[0] is not head.weight:
-            self._head_cast = (head.weight, head.weight.detach().to(x.dtype))
-        return F.linear(x, self._head_cast[1], getattr(head, "bias", None))
+            rows = head.weight.detach() if self.draft_vocab is None else head.weight.detach()[self.draft_vocab]
+            self._head_cast = (head.weight, rows.to(x.dtype).contiguous())
+        bias = getattr(head, "bias", None)
+        if self.draft_vocab is None:
+            return F.linear(x, self._head_cast[1], bias)
+        scores = F.linear(x, self._head_cast[1], None if bias is None else bias[self.draft_vocab])
+        out = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_vocab, scores)
+
+    def use_draft_vocab(self, token_ids: torch.Tensor | None) -> "DFlashDrafter":
+        """Score only these tokens at inference (None: all). Never for training: the losses need every token."""
+        self.draft_vocab = None if token_ids is None else token_ids.sort().values.to(self.fc.weight.device)
+        self._head_cast = None
+        return self
 
     @torch.no_grad()
     def draft_states(self, root: int, position: int, ctx_kv) -> torch.Tensor:
@@ -380,6 +444,25 @@ class DFlashDrafter(nn.Module):
                                f"unexpected {unexpected[:4]}")
         model.backbone_folder = backbone
         return model.to(dtype).eval()
+
+
+RANKING_FILE = "token_ranking.json"
+
+
+def draft_vocab(model: DFlashDrafter, folder: str | Path, size: int | None = None) -> torch.Tensor | None:
+    """The `size` (default: the config's draft_vocab_size; 0: all) most frequent tokens of the ranking saved with
+    the drafter in `folder` (or with its backbone); None for the whole vocabulary."""
+    size = model.config.draft_vocab_size if size is None else size
+    if not size or size >= model.config.vocab_size:
+        return None
+    for where in (Path(folder), model.backbone_folder):
+        if where is not None and (where / RANKING_FILE).is_file():
+            ranking = json.loads((where / RANKING_FILE).read_text())["ranking"]
+            if len(ranking) < size:
+                raise DrafterError(f"{where / RANKING_FILE} ranks {len(ranking)} tokens, fewer than the {size} asked")
+            return torch.tensor(ranking[:size])
+    raise DrafterError(f"draft vocabulary of {size} tokens asked, but no {RANKING_FILE} with the drafter in {folder}: "
+                       "write one with `treeflash data rank`")
 
 
 def _weights_digest(folder: Path) -> str:

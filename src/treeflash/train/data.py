@@ -135,3 +135,14 @@ def load_regen(data_dirs: str | Path) -> list[dict]:
             raise DatasetError(f"no regenerated data in {data_dir} (run `treeflash data regen` first)")
         rows += sorted(found, key=lambda r: r["id"])
     return rows
+
+
+def token_ranking(rows: list[dict]) -> tuple[list[int], dict]:
+    """Token ids by how often they occur in the regenerated answers (most frequent first; ties by id), and the
+    counts behind it: FR-Spec's draft vocabulary is a prefix of this list."""
+    counts: dict[int, int] = {}
+    for row in rows:
+        for token in row["response_ids"]:
+            counts[token] = counts.get(token, 0) + 1
+    ranking = sorted(counts, key=lambda t: (-counts[t], t))
+    return ranking, {"answers": len(rows), "tokens": sum(counts.values()), "distinct": len(ranking)}
