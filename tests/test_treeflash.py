@@ -46,12 +46,13 @@ def test_ar_layer_runs_once_on_all_pairs_whatever_the_budget():
     calls = []
     drafter.model.ar_layer.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
     prompt = repetitive_prompt(random.Random(0), 96)
-    for budget in (2, 30):
+    for budget in (2, 5, 30):
         drafter.reset()
         calls.clear()
         drafter.observe(torch.randn(len(prompt), 2, 64))
         tree = drafter.propose(prompt + [5], None, budget)
-        assert calls == [(7, 5, 64)]  # one call: (γ - 1) depths x M previous tokens
+        # one call: (γ - 1) depths x M previous tokens, M = min(top_m, budget)
+        assert calls == [(7, min(5, budget), 64)]
         assert tree.size == budget
 
 

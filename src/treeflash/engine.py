@@ -18,7 +18,9 @@ from .tree import DraftTree
 from .verify import Sampling, accept, expected_accepted
 
 AUTO = "auto"
-DEFAULT_MAX_BUDGET = 32  # the largest tree `--budget auto` drafts: larger trees cost more to build than they add
+# the largest tree `--budget auto` drafts: on 2-core CPUs 16 beat 32 (prompt lookup 1.50x vs 1.30x of AR at
+# T = 0, bf16): larger trees cost more to build than they add
+DEFAULT_MAX_BUDGET = 16
 
 
 @dataclass
