@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..drafters import make_drafter
-from ..engine import AUTO, DEFAULT_MAX_BUDGET, generate
+from ..engine import AUTO, DEFAULT_MAX_BUDGET, Round, generate
 from ..target import Target
 from ..verify import Sampling
 from .baselines import BASELINES, BaselineUnavailable, make_baseline
@@ -91,12 +91,12 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             runs.append(v)
             drafters[v] = drafter
 
-    def decode(v: Variant, prompt: list[int], tokens: int, seed: int) -> tuple[list[int], float, list]:
+    def decode(v: Variant, prompt: list[int], tokens: int, seed: int) -> tuple[list[int], float, int, list[Round]]:
+        """New tokens, seconds, target forwards after the prefill, and our rounds (none for a baseline)."""
         if v.method in BASELINES:
-            out, seconds, forwards = drafters[v](prompt, tokens, sampling, seed)
-            return out, seconds, [len(out) - 1, forwards]
+            return *drafters[v](prompt, tokens, sampling, seed), []
         r = generate(target, drafters[v], prompt, tokens, sampling, v.budget, seed=seed, max_budget=max_budget)
-        return r.tokens, r.seconds, r.rounds
+        return r.tokens, r.seconds, len(r.rounds), r.rounds
 
     encoded = [target.encode_prompt(p) for p in prompts]
     for v in runs:  # warm-up: first calls pay for allocations, lazy initialisation and the cost measurement
@@ -108,21 +108,16 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
         for v in runs:  # interleaved, so that machine noise hits every variant alike
             drafter, t = drafters[v], totals[v]
             forward_s, calls = getattr(drafter, "forward_s", 0.0), getattr(drafter, "adapter_calls", 0)
-            tokens, seconds, rounds = decode(v, prompt, max_new_tokens, seed + i)
+            tokens, seconds, forwards, rounds = decode(v, prompt, max_new_tokens, seed + i)
             t.forward_s += getattr(drafter, "forward_s", 0.0) - forward_s
             t.adapter_calls += getattr(drafter, "adapter_calls", 0) - calls
             t.new_tokens += len(tokens)
             t.seconds += seconds
             t.outputs.append(tokens)
+            t.rounds += forwards
+            t.round_tokens += len(tokens) - 1  # every token but the prefill's came from a decode round
+            t.round_expected += sum(x.expected for x in rounds) if rounds else len(tokens) - 1
             bar.update()
-            if v.method in BASELINES:  # no rounds of ours: τ from the target forwards they made
-                t.round_tokens += rounds[0]
-                t.round_expected += rounds[0]
-                t.rounds += rounds[1]
-                continue
-            t.round_tokens += sum(x.accepted for x in rounds)
-            t.round_expected += sum(x.expected for x in rounds)
-            t.rounds += len(rounds)
             t.drafted_nodes += sum(x.tree_size for x in rounds)
             t.ar_rounds += sum(x.tree_size == 0 for x in rounds)
             t.draft_s += sum(x.draft_s for x in rounds)
