@@ -68,6 +68,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
                        paired: bool = False) -> None:
     """Decoding options; with `sweep` (bench, paired), --budget and --tfm-width take comma-separated lists, with
     `weavers` (paired) --weaver too."""
+    from .engine import DEFAULT_MAX_BUDGET
     from .target import DEFAULT_TARGET
 
     ints, several = (_positive_ints, "; a list such as 16,64 runs each") if sweep else (_positive_int, "")
@@ -79,7 +80,8 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
                        help="draft nodes per tree, root excluded, or auto (default): each round the tree prefix "
                        "that maximises expected tokens per second, or a plain AR step when none pays"
                        + ("; a list such as auto,16,64 runs each" if sweep else ""))
-        p.add_argument("--max-budget", type=_positive_int, default=16, help="the largest tree auto drafts (16)")
+        p.add_argument("--max-budget", type=_positive_int, default=DEFAULT_MAX_BUDGET,
+                       help=f"the largest tree auto drafts ({DEFAULT_MAX_BUDGET})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1 = off)")
