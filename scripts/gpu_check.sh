@@ -19,8 +19,6 @@ python - <<'PY'
 import random
 import torch
 from treeflash import DraftTree, Target
-from transformers import AutoModelForCausalLM
-from treeflash.target import resolve
 
 # the static runtime against the HF runtime on the real target, on CUDA, fp32
 ref = Target.load("smollm2-135m-instruct", dtype="float32", device="cuda", runtime="hf")

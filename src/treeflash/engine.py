@@ -57,6 +57,22 @@ class GenerationResult:
 class Sequence:
     tokens: list[int]  # prompt and committed tokens; the last one is the next root (not yet seen by the target)
     features: torch.Tensor | None  # target taps of the committed positions the drafter has not seen yet
+    emitted: list[int] = field(default_factory=list)  # the new tokens (after the prompt)
+
+    def done(self, max_new_tokens: int, eos_ids) -> bool:
+        return len(self.emitted) >= max_new_tokens or self.tokens[-1] in eos_ids
+
+    def extend(self, new: list[int], max_new_tokens: int, eos_ids) -> list[int]:
+        """Append a round's new tokens, stopping exactly where sequential decoding would (after an EOS token, or
+        at the limit). Returns the tokens kept."""
+        kept = []
+        for token in new:
+            if self.done(max_new_tokens, eos_ids):
+                break
+            self.tokens.append(token)
+            self.emitted.append(token)
+            kept.append(token)
+        return kept
 
 
 def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, budget: int | Policy,
@@ -113,30 +129,26 @@ def generate(
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     max_new_tokens = min(max_new_tokens, target.context_length - len(prompt))
-    # AR proposes nothing to choose from: it needs no policy (nor the cost measurement that makes one)
-    plan = policy_for(target, drafter, max_budget) if budget == AUTO and drafter.name != "ar" else budget
-    if plan == AUTO:
+    if budget != AUTO:
+        plan = budget
+    elif drafter.name == "ar":  # AR proposes nothing to choose from: no policy (nor the cost measurement behind one)
         plan = 1
+    else:
+        plan = policy_for(target, drafter, max_budget)
     drafter.reset()
 
     t0 = _now(target.device)
     out = target.prefill(prompt, taps=drafter.taps)
     first = int(sampling.choose(out.logits[-1], generator))
-    result = GenerationResult([first], prefill_s=_now(target.device) - t0)
+    seq = Sequence(prompt + [first], out.hidden, [first])
+    result = GenerationResult(seq.emitted, prefill_s=_now(target.device) - t0)
     if on_token:
         on_token(first)
-    seq = Sequence(prompt + [first], out.hidden)
-    while len(result.tokens) < max_new_tokens and seq.tokens[-1] not in target.eos_ids:
+    while not seq.done(max_new_tokens, target.eos_ids):
         new, _, _, round_ = step(target, drafter, seq, sampling, plan, generator)
-        kept = 0
-        for token in new:  # stop exactly where sequential decoding would
-            if len(result.tokens) == max_new_tokens or seq.tokens[-1] in target.eos_ids:
-                break
-            seq.tokens.append(token)
-            result.tokens.append(token)
-            kept += 1
-            if on_token:
-                on_token(token)
-        round_.accepted, round_.expected = kept, min(round_.expected, kept)  # τ counts committed tokens only
+        kept = seq.extend(new, max_new_tokens, target.eos_ids)
+        for token in kept if on_token else ():
+            on_token(token)
+        round_.accepted, round_.expected = len(kept), min(round_.expected, len(kept))  # τ: committed tokens only
         result.rounds.append(round_)
     return result

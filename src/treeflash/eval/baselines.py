@@ -50,9 +50,8 @@ class HFGenerate:
     """transformers' generate on a stock copy of the target's model (with `prompt_lookup` tokens: prompt lookup
     decoding). The copy shares no memory with the target."""
 
-    def __init__(self, target: Target, prompt_lookup: int = 0, model=None):
-        self.target, self.prompt_lookup = target, prompt_lookup
-        self.model = model if model is not None else stock_model(target)
+    def __init__(self, target: Target, model, prompt_lookup: int = 0):
+        self.target, self.model, self.prompt_lookup = target, model, prompt_lookup
 
     def __call__(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, seed: int):
         target, forwards = self.target, 0
@@ -112,7 +111,7 @@ def make_baseline(name: str, target: Target, cache: dict | None = None):
         cache = {} if cache is None else cache
         if "model" not in cache:
             cache["model"] = stock_model(target)
-        return HFGenerate(target, PLD_TOKENS if name == "hf-pld" else 0, cache["model"])
+        return HFGenerate(target, cache["model"], PLD_TOKENS if name == "hf-pld" else 0)
     if name == "llamacpp":
         return LlamaCpp(target)
     raise KeyError(name)

@@ -37,9 +37,9 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
             drafter.reset()
         out = target.prefill(prompt, taps=taps)
         first = int(sampling.choose(out.logits[-1], generator))
-        seq, generated = Sequence(prompt + [first], out.hidden), [first]
-        while len(generated) < max_new_tokens and seq.tokens[-1] not in target.eos_ids:
-            room, wanted = target.context_length - target.length - 1, max_new_tokens - len(generated)
+        seq = Sequence(prompt + [first], out.hidden, [first])
+        while not seq.done(max_new_tokens, target.eos_ids):
+            room, wanted = target.context_length - target.length - 1, max_new_tokens - len(seq.emitted)
             for name in names[1:]:  # every other variant's tree, for the context the driver is about to extend
                 drafter, budget = drafters[name]
                 tree = drafter.propose(seq.tokens, seq.features, min(budget, room))
@@ -47,16 +47,10 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
                 target.discard()
             driver, budget = drafters[names[0]]
             new, tree, logits, _ = step(target, driver, seq, sampling, budget, generator)
-            kept = 0
-            for token in new:  # stop where `generate` stops
-                if len(generated) == max_new_tokens or seq.tokens[-1] in target.eos_ids:
-                    break
-                seq.tokens.append(token)
-                generated.append(token)
-                kept += 1
-            totals[names[0]] += min(expected_accepted(tree, logits, sampling), kept)  # as `generate` counts τ
+            kept = seq.extend(new, max_new_tokens, target.eos_ids)  # stop where `generate` stops
+            totals[names[0]] += min(expected_accepted(tree, logits, sampling), len(kept))  # as `generate` counts τ
             rounds += 1
-        outputs.append(generated)
+        outputs.append(seq.emitted)
     base = totals[names[0]]
     return {"rounds": rounds, "outputs": outputs,
             "methods": {n: {"expected_tau": totals[n] / max(rounds, 1), "ratio_to_first": totals[n] / base}
