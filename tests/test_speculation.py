@@ -53,14 +53,33 @@ def test_policy_stops_drafting_when_it_does_not_pay_and_probes_again():
     policy.choose(tree)
     policy.observe(DraftTree.chain(0), [0], 1, draft_s=0.005, verify_s=0.01, drafted=True)
     decisions = []
-    for _ in range(30):
+    for _ in range(20):
         drafted = policy.should_draft()
         decisions.append(drafted)
         if drafted:
             policy.choose(tree)
         policy.observe(DraftTree.chain(0), [0], 1, 0.005 if drafted else 0.0, 0.01, drafted)
-    assert decisions[:8] == [False] * 8 and decisions[8]  # a probe after 8 AR rounds
-    assert decisions[9:25] == [False] * 16 and decisions[25]  # then after 16: the interval doubles
+    first, cap = Policy.PROBE_EVERY
+    assert decisions[:first] == [False] * first and decisions[first]  # a probe after `first` AR rounds
+    second = first + 1 + 2 * first  # then after twice as many: the interval doubles
+    assert decisions[first + 1:second] == [False] * (2 * first) and decisions[second]
+    while policy.probe_every < cap:
+        drafted = policy.should_draft()
+        policy.observe(DraftTree.chain(0), [0], 1, 0.0, 0.01, drafted)
+    assert policy.probe_every == cap  # ... up to the cap
+
+
+def test_a_probe_that_pays_resumes_drafting_at_once():
+    """A probe judges the text as it is now (not the stale average of the rounds before the AR stretch), and its
+    drafting time, which includes the context's catch-up, does not count as the drafter's cost."""
+    policy = Policy(costs(1.0), 8)
+    policy.gain, policy.draft_s = 0.0, 0.005  # drafting stopped paying
+    while not policy.should_draft():
+        policy.observe(DraftTree.chain(0), [0], 1, 0.0, 0.011, False)
+    easy = DraftTree.chain(0, list(range(1, 9)), probs=[0.99] * 8)
+    assert policy.choose(easy).size == 8 and policy.gain > policy.rate * policy.draft_s
+    policy.observe(easy, list(range(9)), 9, draft_s=0.5, verify_s=0.018, drafted=True)  # a slow catch-up
+    assert policy.draft_s == 0.005 and policy.should_draft()
 
 
 class ForcedPolicy:

@@ -122,7 +122,10 @@ class Calibration:
 class Policy:
     """The per-(target, drafter) state of cost-aware speculation; `max_budget` caps the trees it drafts."""
 
-    PROBE_EVERY = (8, 128)  # AR rounds before drafting again to check: doubles while drafting does not pay
+    # AR rounds before drafting again to check: doubles while drafting does not pay. A probe costs about one
+    # drafting time, so even every 32 rounds it costs under 2 % where drafting never pays, and a text that becomes
+    # easy is found again within 32 tokens
+    PROBE_EVERY = (4, 32)
 
     def __init__(self, costs: VerifyCosts, max_budget: int):
         self.costs, self.max_budget = costs, max_budget
@@ -155,7 +158,9 @@ class Policy:
         cost = torch.tensor([self.costs(n + 1) for n in range(tree.size + 1)])
         net = expected - self.rate * cost
         n = int(net.argmax())
-        self.gain = _ema(self.gain, float(net[n] - net[0]))
+        gain = float(net[n] - net[0])
+        # a probe after AR rounds judges the text as it is now: the average of the drafted rounds is stale
+        self.gain = gain if self.skipped else _ema(self.gain, gain)
         return tree.prefix(n)
 
     def observe(self, tree: DraftTree, path: list[int], committed: int, draft_s: float, verify_s: float,
@@ -163,7 +168,9 @@ class Policy:
         self.costs.observe(len(tree), verify_s)
         self.calibration.observe(tree, path)
         if drafted:
-            self.draft_s, self.skipped = _ema(self.draft_s, draft_s), 0
+            if not self.skipped or self.draft_s is None:  # after AR rounds it includes the context's catch-up
+                self.draft_s = _ema(self.draft_s, draft_s)
+            self.skipped = 0
         else:
             self.skipped += 1
         self.tokens = _ema(self.tokens, committed)
