@@ -96,6 +96,16 @@ def test_resume_is_exact(tmp_path, tiny_folder):  # noqa: F811
     assert steps == [1, 2, 3, 4]
 
 
+def test_resume_refuses_another_models_checkpoint(tmp_path, tiny_folder, capsys):  # noqa: F811
+    """A run folder of another model shape is an error, never a silent partial load."""
+    write_regen(tmp_path / "regen")
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "run", 2)) == 0
+    wider = train_args(tmp_path, tiny_folder, tmp_path / "run", 4)
+    wider[wider.index("--layers") + 1] = "2"
+    assert main(wider) == 2
+    assert "do not match the model: missing ['layers.1." in capsys.readouterr().err
+
+
 def test_torchrun_two_processes(tmp_path, tiny_folder):  # noqa: F811
     write_regen(tmp_path / "regen")
     out = tmp_path / "ddp"

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from treeflash import DraftTree, generate
 from treeflash.drafters import WeaverDrafter, make_drafter
+from treeflash.models.checkpoint import DrafterError, weights_digest
 from treeflash.models.weaver import Weaver, WeaverConfig
 from treeflash.train.dflash import Sequence, sample_anchors, target_view
 from treeflash.train.losses import candidate_kl
@@ -158,7 +159,12 @@ def test_make_drafter_tfm(tmp_path):
     target = tiny_target("qwen3")
     backbone = tiny_drafter(target)
     backbone.save_pretrained(tmp_path / "dflash", dtype=torch.float32)
-    tiny_weaver(backbone).save_pretrained(tmp_path / "weaver")
+    weaver = tiny_weaver(backbone)
+    weaver.config.backbone_sha256 = weights_digest(tmp_path / "dflash")  # as `train weaver` records it
+    weaver.save_pretrained(tmp_path / "weaver")
+    tiny_drafter(target, seed=1).save_pretrained(tmp_path / "other", dtype=torch.float32)
+    with pytest.raises(DrafterError, match="trained on another DFlash drafter"):
+        make_drafter("tfm", target, str(tmp_path / "other"), str(tmp_path / "weaver"))
     with pytest.raises(FileNotFoundError, match="--weaver"):
         make_drafter("tfm", target, str(tmp_path / "dflash"))
     drafter = make_drafter("tfm", target, str(tmp_path / "dflash"), str(tmp_path / "weaver"), width=3)
@@ -222,6 +228,7 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     assert main(args) == 0
     weaver = Weaver.from_pretrained(out / "weaver")
     assert weaver.config.top_k == 64 and weaver.out_proj.weight.abs().sum() > 0
+    assert weaver.config.backbone_sha256 == weights_digest(tmp_path / "tf")
     assert len(open(out / "log.jsonl").readlines()) == 2
     for k, v in DFlashDrafter.from_pretrained(tmp_path / "tf").state_dict().items():  # the backbone is untouched
         torch.testing.assert_close(v, backbone.state_dict()[k], atol=0, rtol=0)

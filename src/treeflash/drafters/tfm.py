@@ -71,6 +71,7 @@ def load_weaver_drafter(target, drafter_path: str | Path | None, weaver_path: st
     if weaver_path is None:
         raise FileNotFoundError("method tfm needs a Weaver: pass --weaver PATH (a folder written by "
                                 "`treeflash train weaver` on this drafter)")
-    model = load_drafter_model(target, drafter_path or default_drafter_path(target.name, "dflash"), draft_vocab_size)
-    weaver = Weaver.from_pretrained(weaver_path, dtype=drafting_dtype(target.device)).to(target.device)
+    drafter_path = drafter_path or default_drafter_path(target.name, "dflash")
+    model = load_drafter_model(target, drafter_path, draft_vocab_size)
+    weaver = Weaver.from_pretrained(weaver_path, drafting_dtype(target.device), backbone=drafter_path).to(target.device)
     return WeaverDrafter(model, weaver, width)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dflash import RMSNorm
+from .blocks import RMSNorm
 
 
 class ARApproximation(nn.Module):

@@ -9,7 +9,6 @@ those checkpoints load with `from_pretrained` too.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -17,12 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-
-class DrafterError(ValueError):
-    """A drafter checkpoint that cannot be used (unreadable, or it does not fit the target)."""
+from .blocks import Layer, RMSNorm
+from .checkpoint import DrafterError, load_strict, read_weights, save_checkpoint, weights_digest
 
 
 def tap_layers(num_target_layers: int, n: int) -> list[int]:
@@ -104,100 +101,6 @@ class DFlashConfig:
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
         kwargs.setdefault("num_target_layers", max(layer_ids) + 1)
         return cls(**kwargs, ar_layer=ar if isinstance(ar, dict) else None, extra=d)
-
-
-def save_checkpoint(model: nn.Module, config: dict, folder: str | Path, dtype: torch.dtype, prefix: str = "") -> None:
-    """The save_pretrained layout: config.json and model.safetensors (weights cast to `dtype`, names prefixed)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {prefix + k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        return (self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(dtype)
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention, as Llama/Qwen3) on x [..., T, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.float()[..., None] * freqs  # [..., T, half]
-    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-
-    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [T, kv_heads, head_dim] of states x [T, H] at `positions` [T]."""
-        c = self.c
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)))
-        v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        return rope(k, positions, c.rope_theta), v
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                mask: torch.Tensor | None, ctx_len: int | None = None) -> torch.Tensor:
-        """h [T, H] block states; ctx_k/v [C, kv_heads, head_dim]; mask [T, C + T] bool (None: see all).
-        With `ctx_len`, ctx_k/v are static buffers (ContextCache) holding the context in their first ctx_len rows:
-        the block's K/V are written after it, in place, instead of concatenated to a copy of the context."""
-        c = self.c
-        q = rope(self.q_norm(self.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
-                 c.rope_theta)
-        k, v = self.kv(h, positions)
-        if ctx_len is None:
-            k, v = torch.cat([ctx_k, k]), torch.cat([ctx_v, v])
-        else:
-            end = ctx_len + len(h)
-            ctx_k[ctx_len:end], ctx_v[ctx_len:end] = k, v
-            k, v = ctx_k[:end], ctx_v[:end]
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                             enable_gqa=c.num_attention_heads != c.num_key_value_heads)
-        return self.o_proj(out.transpose(0, 1).flatten(-2))
-
-
-class MLP(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Layer(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
-
-    def forward(self, h, positions, ctx_k, ctx_v, mask, ctx_len=None):
-        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, mask, ctx_len)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class ContextCache:
@@ -393,7 +296,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError("only a TreeFlash drafter (with an AR layer) can be saved against a backbone")
         config = self.config.to_json()
         config["treeflash_config"]["backbone"] = os.path.relpath(Path(backbone).resolve(), Path(folder).resolve())
-        config["treeflash_config"]["backbone_sha256"] = _weights_digest(Path(backbone))
+        config["treeflash_config"]["backbone_sha256"] = weights_digest(Path(backbone))
         save_checkpoint(self.ar_layer, config, folder, dtype, prefix="ar_layer.")
 
     @classmethod
@@ -406,18 +309,10 @@ class DFlashDrafter(nn.Module):
         if backbone is not None:
             return cls._from_adapter(folder, raw, dtype)
         model = cls(DFlashConfig.from_json(raw))
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no drafter weights (*.safetensors) in {folder}")
-        state = {}
-        for f in files:
-            state.update(load_file(str(f)))
+        state = read_weights(folder)
         # published checkpoints may carry the target's embedding / head: the target's own are used instead
         state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DrafterError(f"drafter weights in {folder} do not match its config: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}")
+        load_strict(model, state, str(folder))
         return model.to(dtype).eval()
 
     @classmethod
@@ -427,21 +322,17 @@ class DFlashDrafter(nn.Module):
         backbone = (folder / tf["backbone"]).resolve()
         if not (backbone / "config.json").is_file():
             raise DrafterError(f"the TreeFlash drafter in {folder} needs its DFlash backbone at {backbone}: not found")
-        if tf.get("backbone_sha256") and tf["backbone_sha256"] != _weights_digest(backbone):
+        if tf.get("backbone_sha256") and tf["backbone_sha256"] != weights_digest(backbone):
             raise DrafterError(f"the DFlash backbone at {backbone} is not the one the TreeFlash drafter in {folder} "
                                "was trained on (its weights changed): retrain with `treeflash train treeflash`")
         model = cls.from_pretrained(backbone, dtype=torch.float32)
         if model.ar_layer is not None:
             raise DrafterError(f"the backbone of {folder} ({backbone}) is itself a TreeFlash drafter")
         model.add_ar_layer(**tf["ar_approximation"])
-        state = load_file(str(folder / "model.safetensors"))
+        state = read_weights(folder)
         if not all(k.startswith("ar_layer.") for k in state):
             raise DrafterError(f"{folder} points to a backbone, so it must hold AR-layer weights only")
-        missing, unexpected = model.ar_layer.load_state_dict(
-            {k.removeprefix("ar_layer."): v for k, v in state.items()}, strict=False)
-        if missing or unexpected:
-            raise DrafterError(f"AR-layer weights in {folder} do not match its config: missing {missing[:4]}, "
-                               f"unexpected {unexpected[:4]}")
+        load_strict(model.ar_layer, {k.removeprefix("ar_layer."): v for k, v in state.items()}, str(folder))
         model.backbone_folder = backbone
         return model.to(dtype).eval()
 
@@ -463,11 +354,3 @@ def draft_vocab(model: DFlashDrafter, folder: str | Path, size: int | None = Non
             return torch.tensor(ranking[:size])
     raise DrafterError(f"draft vocabulary of {size} tokens asked, but no {RANKING_FILE} with the drafter in {folder}: "
                        "write one with `treeflash data rank`")
-
-
-def _weights_digest(folder: Path) -> str:
-    """sha256 over a checkpoint's safetensors files (sorted by name)."""
-    digest = hashlib.sha256()
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        digest.update(f.read_bytes())
-    return digest.hexdigest()

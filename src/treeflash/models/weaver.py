@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
-from .dflash import DFlashConfig, DFlashDrafter, DrafterError, RMSNorm, rope, save_checkpoint
+from .blocks import RMSNorm, rope
+from .checkpoint import DrafterError, load_strict, read_weights, save_checkpoint, weights_digest
+from .dflash import DFlashConfig, DFlashDrafter
 
 
 @dataclass
@@ -49,6 +50,9 @@ class WeaverConfig:
     top_k: int = 512  # K candidates per depth (capped at the vocabulary)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # sha256 of the DFlash drafter's weights it was trained on (checkpoint.weights_digest): checked on load, as the
+    # TreeFlash adapter checks its backbone
+    backbone_sha256: str | None = None
 
     def __post_init__(self) -> None:
         self.top_k = min(self.top_k, self.vocab_size)
@@ -202,7 +206,9 @@ class Weaver(nn.Module):
         save_checkpoint(self, {"architectures": ["Weaver"], **asdict(self.config)}, folder, dtype)
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "Weaver":
+    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32,
+                        backbone: str | Path | None = None) -> "Weaver":
+        """With `backbone` (the DFlash drafter folder it will run on), refuse a drafter it was not trained on."""
         folder = Path(folder)
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"no Weaver at {folder} (config.json missing)")
@@ -210,7 +216,10 @@ class Weaver(nn.Module):
         if config.pop("architectures", None) != ["Weaver"]:
             raise DrafterError(f"{folder} holds no Weaver (a DFlash drafter? pass it as --drafter)")
         model = cls(WeaverConfig(**config))
-        if not (folder / "model.safetensors").is_file():
-            raise FileNotFoundError(f"no Weaver weights (model.safetensors) in {folder}")
-        model.load_state_dict(load_file(str(folder / "model.safetensors")))
+        expected = model.config.backbone_sha256
+        if backbone is not None and expected and expected != weights_digest(backbone):
+            raise DrafterError(f"the Weaver in {folder} was trained on another DFlash drafter than {backbone}: train "
+                               "one on it with `treeflash train weaver --backbone` (or pass the drafter it was "
+                               "trained on)")
+        load_strict(model, read_weights(folder), str(folder))
         return model.to(dtype).eval()

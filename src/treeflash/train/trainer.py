@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..models.checkpoint import load_strict
 from .losses import cosine_lr
 
 
@@ -80,7 +81,7 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
     step, ckpt = 0, out / "checkpoint.pt"
     if resume and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"], strict=False)
+        load_strict(model, state["model"], f"{ckpt} (a run of another model? use a new --out)")
         optim.load_state_dict(state["optim"])
         step = state["step"]
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)

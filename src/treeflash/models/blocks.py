@@ -1,0 +1,100 @@
+"""The drafters' building blocks: RMSNorm, rotary embedding, and a Qwen3-style decoder layer whose attention
+also sees injected context keys/values (DFlash's KV injection). Parameter names follow the published DFlash layout
+(`input_layernorm`, `self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`, `post_attention_layernorm`,
+`mlp.{gate,up,down}_proj`), so those checkpoints load as they are."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from .dflash import DFlashConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        return (self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention, as Llama/Qwen3) on x [..., T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[..., None] * freqs  # [..., T, half]
+    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: "DFlashConfig"):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [T, kv_heads, head_dim] of states x [T, H] at `positions` [T]."""
+        c = self.c
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        return rope(k, positions, c.rope_theta), v
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                mask: torch.Tensor | None, ctx_len: int | None = None) -> torch.Tensor:
+        """h [T, H] block states; ctx_k/v [C, kv_heads, head_dim]; mask [T, C + T] bool (None: see all).
+        With `ctx_len`, ctx_k/v are static buffers (ContextCache) holding the context in their first ctx_len rows:
+        the block's K/V are written after it, in place, instead of concatenated to a copy of the context."""
+        c = self.c
+        q = rope(self.q_norm(self.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
+                 c.rope_theta)
+        k, v = self.kv(h, positions)
+        if ctx_len is None:
+            k, v = torch.cat([ctx_k, k]), torch.cat([ctx_v, v])
+        else:
+            end = ctx_len + len(h)
+            ctx_k[ctx_len:end], ctx_v[ctx_len:end] = k, v
+            k, v = ctx_k[:end], ctx_v[:end]
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                             enable_gqa=c.num_attention_heads != c.num_key_value_heads)
+        return self.o_proj(out.transpose(0, 1).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: "DFlashConfig"):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: "DFlashConfig"):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, h, positions, ctx_k, ctx_v, mask, ctx_len=None):
+        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, mask, ctx_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
