@@ -17,7 +17,10 @@ from test_lossless import repetitive_prompt
 
 
 def tiny_drafter(target, seed=0, **kw) -> DFlashDrafter:
+    """A tiny random drafter; its mask token is the target's last token id (mask_token_id=None: the deprecated
+    learned mask embedding)."""
     torch.manual_seed(seed)
+    kw.setdefault("mask_token_id", target.config.vocab_size - 1)
     config = DFlashConfig.for_target(target.config, num_layers=2, num_taps=2, block_size=kw.pop("block_size", 8),
                                      **kw)
     return DFlashDrafter(config).attach(target.model)
@@ -63,6 +66,34 @@ def test_published_layout_loads(tmp_path):
     prompt = repetitive_prompt(random.Random(0), 96)
     ar = generate(target, make_drafter("ar"), prompt, 20).tokens
     assert generate(target, BlockDrafter(drafter, "ddtree"), prompt, 20, budget=6).tokens == ar
+
+
+def test_mask_token_is_a_real_token():
+    """The published format: the mask token is a token id of the target's vocabulary, never a stored vector."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from treeflash.models.dflash import choose_mask_token
+    from treeflash.target import resolve
+
+    smollm2 = AutoTokenizer.from_pretrained(resolve("smollm2-135m-instruct"))
+    assert choose_mask_token(smollm2) == 16  # <empty_output>: special, and neither a turn marker nor EOS
+    assert choose_mask_token(SimpleNamespace(mask_token_id=7)) == 7
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    assert "mask_embedding" not in drafter.state_dict()
+    x = drafter.block_inputs(torch.tensor([3]))
+    torch.testing.assert_close(x[1:], target.model.get_input_embeddings().weight[[95] * 7])  # the target's own row
+
+
+def test_a_learned_mask_embedding_still_loads_with_a_warning(tmp_path):
+    target = tiny_target("llama")
+    legacy = tiny_drafter(target, mask_token_id=None)
+    legacy.save_pretrained(tmp_path, dtype=torch.float32)
+    with pytest.warns(FutureWarning, match="learned mask embedding"):
+        loaded = DFlashDrafter.from_pretrained(tmp_path).attach(target.model)
+    torch.testing.assert_close(loaded.mask_embedding, legacy.mask_embedding)
 
 
 def test_a_drafter_that_does_not_fit_is_refused():

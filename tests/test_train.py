@@ -96,6 +96,21 @@ def test_resume_is_exact(tmp_path, tiny_folder):  # noqa: F811
     assert steps == [1, 2, 3, 4]
 
 
+def test_trained_drafters_use_a_mask_token(tmp_path, tiny_folder):  # noqa: F811
+    """`train dflash` writes the published format: dflash_config.mask_token_id, no mask embedding tensor."""
+    from safetensors.torch import load_file
+
+    write_regen(tmp_path / "regen")
+    for choice, expected in ((None, 16), ("<file_sep>", 5), ("9", 9)):  # the default, a token's text, an id
+        out = tmp_path / f"run-{expected}"
+        args = train_args(tmp_path, tiny_folder, out, 1) + (["--mask-token", choice] if choice else [])
+        assert main(args) == 0
+        config = json.loads((out / "drafter" / "config.json").read_text())
+        assert config["dflash_config"]["mask_token_id"] == expected
+        assert not any("mask" in k for k in load_file(str(out / "drafter" / "model.safetensors")))
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "bad", 1) + ["--mask-token", "no such token"]) == 2
+
+
 def test_resume_refuses_another_models_checkpoint(tmp_path, tiny_folder, capsys):  # noqa: F811
     """A run folder of another model shape is an error, never a silent partial load."""
     write_regen(tmp_path / "regen")

@@ -208,6 +208,9 @@ def build_parser() -> Parser:
     td.add_argument("--taps", type=_positive_int, default=5, help="target layers tapped for context (5)")
     td.add_argument("--intermediate-size", type=_positive_int, default=None, help="MLP width (the target's)")
     td.add_argument("--block-size", type=_positive_int, default=16)
+    td.add_argument("--mask-token", default=None, metavar="ID|TOKEN",
+                    help="the token that fills the drafted positions of a block: an id or the token's text (default: "
+                    "the tokenizer's mask token, else a spare special token; SmolLM2: <empty_output>, 16)")
     td.add_argument("--init", default=None, help="a trained DFlash drafter folder to go on training, e.g. on new "
                     "data (its sizes are kept: --layers, --taps, --intermediate-size, --block-size do not apply)")
     tt = tr.add_parser("treeflash", help="train TreeFlash's AR layer on a DFlash backbone (torchrun for DDP)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,27 @@ def tap_layers(num_target_layers: int, n: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
 
 
+def choose_mask_token(tokenizer) -> int:
+    """The token that fills a block's drafted positions, as the published DFlash format wants it: the tokenizer's
+    mask token; else one of its special tokens that neither marks turns nor ends text, by preference one named
+    mask, reserved or unused, else the last (SmolLM2: `<empty_output>`, 16). Its embedding is the target's own row."""
+    if tokenizer is None:
+        raise DrafterError("a DFlash drafter needs a mask token id and this target has no tokenizer: pass --mask-token")
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id)
+    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    special = [(i, str(t)) for i, t in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
+               if getattr(t, "special", False) and i not in taken and str(t) not in template]
+    if not special:
+        raise DrafterError("the tokenizer has no mask token and no spare special token: pass --mask-token ID")
+    for hint in ("mask", "reserved", "unused"):
+        named = [i for i, text in special if hint in text.lower()]
+        if named:
+            return named[0]
+    return special[-1][0]
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -41,7 +63,9 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: list[int]
     block_size: int = 16
-    mask_token_id: int | None = None  # None: a learned mask embedding (the target has no mask token)
+    # the published format: a real token id of the target's vocabulary, embedded by the target's own row
+    # (choose_mask_token); None: a learned mask embedding, the deprecated layout of older treeflash drafters
+    mask_token_id: int | None = None
     # FR-Spec: at inference the LM head scores only the N most frequent tokens of the regenerated answers
     # (token_ranking.json, written by `treeflash data rank`); None: the whole vocabulary
     draft_vocab_size: int | None = None
@@ -53,8 +77,9 @@ class DFlashConfig:
 
     @classmethod
     def for_target(cls, target_config, num_layers: int = 3, num_taps: int = 5, block_size: int = 16,
-                   intermediate_size: int | None = None) -> "DFlashConfig":
-        """A drafter at the target's width, heads and RoPE, tapping `num_taps` evenly spaced target layers."""
+                   intermediate_size: int | None = None, mask_token_id: int | None = None) -> "DFlashConfig":
+        """A drafter at the target's width, heads and RoPE, tapping `num_taps` evenly spaced target layers, that
+        fills its blocks with `mask_token_id` (see choose_mask_token)."""
         c = target_config
         heads = c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
@@ -64,6 +89,7 @@ class DFlashConfig:
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
                    num_target_layers=c.num_hidden_layers,
                    target_layer_ids=tap_layers(c.num_hidden_layers, num_taps), block_size=block_size,
+                   mask_token_id=mask_token_id,
                    rms_norm_eps=c.rms_norm_eps, rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 1e6)))
 
     def to_json(self) -> dict:
@@ -147,7 +173,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if c.mask_token_id is None:
+        if c.mask_token_id is None:  # deprecated (older treeflash drafters): a learned mask embedding
             self.mask_embedding = nn.Parameter(0.02 * torch.randn(c.hidden_size))
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered as submodules
         self._head_cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (the head's weight, its cast rows)
@@ -309,6 +335,10 @@ class DFlashDrafter(nn.Module):
         if backbone is not None:
             return cls._from_adapter(folder, raw, dtype)
         model = cls(DFlashConfig.from_json(raw))
+        if model.config.mask_token_id is None:
+            warnings.warn(f"the drafter in {folder} has a learned mask embedding instead of a mask token id: other "
+                          "engines cannot load it, and treeflash will stop reading it; train it again (`treeflash "
+                          "train dflash` picks a mask token)", FutureWarning, stacklevel=2)
         state = read_weights(folder)
         # published checkpoints may carry the target's embedding / head: the target's own are used instead
         state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}

@@ -136,7 +136,8 @@ def run(args) -> dict:
         trainable = list(drafter.parameters())
     else:
         config = DFlashConfig.for_target(target.config, num_layers=args.layers, num_taps=args.taps,
-                                         block_size=args.block_size, intermediate_size=args.intermediate_size)
+                                         block_size=args.block_size, intermediate_size=args.intermediate_size,
+                                         mask_token_id=mask_token(args.mask_token, target))
         drafter = DFlashDrafter(config).attach(target.model).to(target.device)
         trainable = list(drafter.parameters())
     drafter.requires_grad_(False)
@@ -156,6 +157,24 @@ def run(args) -> dict:
     if args.train_command == "treeflash" and args.freeze_backbone and saved_against is not None:
         save = functools.partial(drafter.save_pretrained, backbone=saved_against)  # the AR layer only
     return launch(args, world, rank, drafter, trainable, data, loss_fn, save_model=save)
+
+
+def mask_token(choice: str | None, target) -> int:
+    """--mask-token: an id or a token's text of the target's vocabulary; None: choose_mask_token."""
+    from ..models.dflash import choose_mask_token
+
+    if choice is None:
+        return choose_mask_token(target.tokenizer)
+    vocab = target.config.vocab_size
+    if choice.isdigit():
+        token = int(choice)
+    else:
+        token = target.tokenizer.convert_tokens_to_ids(choice) if target.tokenizer is not None else None
+        if token is None or token == target.tokenizer.unk_token_id:
+            raise DrafterError(f"--mask-token {choice!r} is not a token of the target's vocabulary")
+    if not 0 <= token < vocab:
+        raise DrafterError(f"--mask-token {choice} is outside the target's vocabulary (0..{vocab - 1})")
+    return token
 
 
 def setup(args):
