@@ -170,5 +170,5 @@ def test_briefly_trained_dflash_drafter_is_lossless_on_hybrids(hybrid):
         for budget in (1, 8):
             assert generate(hybrid, BlockDrafter(drafter, method), prompt, 40, budget=budget).tokens == ar
     drafter.add_ar_layer("swiglu", 1)
-    torch.nn.init.normal_(drafter.ar_layer.out_proj.weight, std=0.3)
+    torch.nn.init.normal_(drafter.ar_layer.d.weight, std=0.3)
     assert generate(hybrid, BlockDrafter(drafter, "treeflash", top_m=4), prompt, 40, budget=8).tokens == ar

@@ -185,7 +185,7 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
     assert main(args) == 0
 
     before, after = DFlashDrafter.from_pretrained(backbone), DFlashDrafter.from_pretrained(tmp_path / "tf" / "drafter")
-    assert after.ar_layer is not None and after.ar_layer.out_proj.weight.abs().sum() > 0
+    assert after.ar_layer is not None and after.ar_layer.d.weight.abs().sum() > 0
     for (name, a), b in zip(before.state_dict().items(), (after.state_dict()[k] for k in before.state_dict())):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"frozen backbone changed: {name}")
     # the frozen run saves only the AR layer, pointing to its backbone, and refuses a backbone that changed
@@ -198,7 +198,7 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
     assert main(more) == 0
     again = DFlashDrafter.from_pretrained(tmp_path / "tf2" / "drafter")
     assert again.backbone_folder == backbone.resolve()
-    assert not torch.equal(again.ar_layer.out_proj.weight, after.ar_layer.out_proj.weight)
+    assert not torch.equal(again.ar_layer.d.weight, after.ar_layer.d.weight)
     # a new backbone (the old one trained on) starts from the old AR layer with --init: same settings, a small step
     assert main([*train_args(tmp_path, tiny_folder, tmp_path / "backbone2", 1), "--init", str(backbone)]) == 0
     backbone2 = tmp_path / "backbone2" / "drafter"
@@ -207,8 +207,8 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
     assert main(moved) == 0
     third = DFlashDrafter.from_pretrained(tmp_path / "tf3" / "drafter")
     assert third.backbone_folder == backbone2.resolve() and third.config.ar_layer == after.config.ar_layer
-    step = (third.ar_layer.out_proj.weight - after.ar_layer.out_proj.weight).abs().max()
-    assert 0 < step < after.ar_layer.out_proj.weight.abs().max()
+    step = (third.ar_layer.d.weight - after.ar_layer.d.weight).abs().max()
+    assert 0 < step < after.ar_layer.d.weight.abs().max()
     moved[moved.index("--init") + 1] = str(backbone)  # not a TreeFlash drafter
     assert main(moved) == 2
     changed = DFlashDrafter.from_pretrained(backbone)

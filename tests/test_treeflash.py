@@ -36,7 +36,7 @@ def test_fresh_ar_layer_reproduces_the_backbone(kind, prev, tmp_path):
 
 def treeflash_drafter(target, seed=2, prev=1):
     drafter = tiny_drafter(target, seed=seed).add_ar_layer("swiglu", prev)
-    torch.nn.init.normal_(drafter.ar_layer.out_proj.weight, std=0.5)  # a layer that changes the conditionals
+    torch.nn.init.normal_(drafter.ar_layer.d.weight, std=0.5)  # a layer that changes the conditionals
     return drafter
 
 
@@ -75,12 +75,13 @@ def test_conditional_tables_against_full_vocabulary_softmax(top_n):
     model, h, root = treeflash_drafter(target), torch.randn(7, 64), 4
     cand, cond = conditional_tables(model, [8, root], h, top_m=6, top_n=top_n)
     prev = torch.cat([torch.full((1, 6), root), cand[:-1]])  # [D, M]
-    states = model.ar_layer(h[:, None].expand(7, 6, 64), model.embed(prev[:, :, None]))
+    hx = h[:, None].expand(7, 6, 64)
+    states = model.ar_layer(hx, model.norm(hx), model.embed(prev[:, :, None]))
     full = torch.softmax(model.logits(states).float(), dim=-1)  # [D, M prev, V]
     exact = full.gather(-1, cand[:, None, :].expand(7, 6, 6))
     if top_n == 96:
         torch.testing.assert_close(cond, exact, atol=1e-5, rtol=1e-4)
-    torch.nn.init.zeros_(model.ar_layer.out_proj.weight)  # fresh: the conditionals are the marginals
+    torch.nn.init.zeros_(model.ar_layer.d.weight)  # fresh: the conditionals are the marginals
     cand, cond = conditional_tables(model, [8, root], h, top_m=6, top_n=top_n)
     marginal = torch.softmax(model.logits(h).float(), dim=-1).gather(-1, cand)
     torch.testing.assert_close(cond, marginal[:, None, :].expand(7, 6, 6), atol=1e-6, rtol=1e-5)
@@ -169,3 +170,106 @@ def test_dist_command_reports_both_kinds(tmp_path, tiny_folder, capsys):  # noqa
     assert all(0 < c < 1 for c in r["top1_coverage"] + r["top5_coverage"])
     assert all(a < b for a, b in zip(r["top1_coverage"], r["top5_coverage"]))
     assert sampled["methods"]["treeflash"]["top5_coverage"] == pytest.approx(r["top5_coverage"], abs=1e-6)
+
+
+def _rms(x, w, eps=1e-6):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_published_treeflash_checkpoints_load(tmp_path):
+    """A checkpoint written in the layout of the public TreeFlash code (ETH-DISCO/TreeFlash): Qwen3 config with
+    dflash_config and treeflash_config = {ar_approximation: "swiglu"}, the backbone under `model.`, the AR layer as
+    `ar_approximation.{norm, ug (with bias), d}`. Its conditionals equal the published formula, written out here."""
+    import json
+
+    from safetensors.torch import save_file
+
+    target = tiny_target("llama")
+    H, I = 64, 96
+    config = {"architectures": ["TreeFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
+              "intermediate_size": I, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "vocab_size": 96, "rms_norm_eps": 1e-6, "num_target_layers": 3, "block_size": 4,
+              "rope_theta": 10000.0, "dflash_config": {"mask_token_id": 95, "target_layer_ids": [0, 2]},
+              "treeflash_config": {"ar_approximation": "swiglu", "candidate_tokens": 16}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shapes = {"fc.weight": (H, 2 * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+              "layers.0.input_layernorm.weight": (H,), "layers.0.post_attention_layernorm.weight": (H,),
+              "layers.0.self_attn.q_proj.weight": (H, H), "layers.0.self_attn.k_proj.weight": (32, H),
+              "layers.0.self_attn.v_proj.weight": (32, H), "layers.0.self_attn.o_proj.weight": (H, H),
+              "layers.0.self_attn.q_norm.weight": (16,), "layers.0.self_attn.k_norm.weight": (16,),
+              "layers.0.mlp.gate_proj.weight": (I, H), "layers.0.mlp.up_proj.weight": (I, H),
+              "layers.0.mlp.down_proj.weight": (H, I)}
+    g = torch.Generator().manual_seed(0)
+    state = {"model." + k: 1 + 0.1 * torch.randn(s, generator=g) if k.endswith("norm.weight")
+             else 0.1 * torch.randn(s, generator=g) for k, s in shapes.items()}
+    state |= {"ar_approximation.norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+              "ar_approximation.ug.weight": 0.1 * torch.randn(2 * I, 2 * H, generator=g),
+              "ar_approximation.ug.bias": 0.1 * torch.randn(2 * I, generator=g),
+              "ar_approximation.d.weight": 0.1 * torch.randn(H, I, generator=g)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+
+    drafter = DFlashDrafter.from_pretrained(tmp_path).attach(target.model)
+    assert drafter.config.ar_layer == {"kind": "swiglu", "prev_tokens": 1, "intermediate_size": I}
+    h, prev = torch.randn(5, H, generator=g), torch.randint(0, 96, (5,), generator=g)
+    ours = drafter.logits(drafter.ar_layer(h, drafter.norm(h), drafter.embed(prev[:, None])))
+    # the published forward: h + d(silu(g) * u), u, g = ug([norm(e_prev), final_norm(h)]), then final norm, LM head
+    final, ar = state["model.norm.weight"], {k.split(".", 1)[1]: v for k, v in state.items() if "ar_appr" in k}
+    x = torch.cat([_rms(drafter.embed(prev), ar["norm.weight"]), _rms(h, final)], dim=-1)
+    u, gate = (x @ ar["ug.weight"].T + ar["ug.bias"]).chunk(2, dim=-1)
+    out = h + (torch.nn.functional.silu(gate) * u) @ ar["d.weight"].T
+    reference = _rms(out, final) @ target.model.get_output_embeddings().weight.T
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+    prompt = repetitive_prompt(random.Random(0), 96)
+    assert generate(target, BlockDrafter(drafter, "treeflash"), prompt, 20, budget=6).tokens == \
+        generate(target, make_drafter("ar"), prompt, 20).tokens
+
+
+@pytest.mark.parametrize("prev,published", [(1, True), (2, False)])
+def test_treeflash_round_trip(tmp_path, prev, published):
+    """ours -> file -> ours: bit-equal weights and the same tree. A drafter the published layout can express is
+    written in it; one it cannot (two previous tokens) in treeflash's own (config dict, `ar_layer.` names)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    target = tiny_target("llama")
+    drafter = treeflash_drafter(target, prev=prev)
+    drafter.save_pretrained(tmp_path, dtype=torch.float32)
+    config, keys = json.loads((tmp_path / "config.json").read_text()), load_file(str(tmp_path / "model.safetensors"))
+    assert (config["treeflash_config"]["ar_approximation"] == "swiglu") == published
+    assert (config["architectures"] == ["TreeFlashDraftModel"]) == published
+    assert all(k.startswith(("model.", "ar_approximation.")) for k in keys) == published
+    loaded = DFlashDrafter.from_pretrained(tmp_path).attach(target.model)
+    for k, v in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v, atol=0, rtol=0)
+    tokens, h = [5, 7], torch.randn(7, 64)
+    trees = [BlockDrafter(m, "treeflash").build(m, tokens, h, 12) for m in (drafter, loaded)]
+    assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+
+
+@pytest.mark.parametrize("kind,prev", [("swiglu", 1), ("swiglu", 2), ("linear", 1)])
+def test_legacy_ar_layers_convert_to_the_same_function(kind, prev):
+    """AR layers saved before the published layout ([state_norm(h), token_norm(e)] -> in_proj, no bias ->
+    out_proj) load as the same function: the state columns are rescaled by state_norm / final_norm."""
+    from treeflash.models.ar_layer import ARApproximation, from_legacy
+
+    H, I = 64, 48
+    g = torch.Generator().manual_seed(1)
+    old = {"state_norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+           "token_norm.weight": 1 + 0.2 * torch.randn(H, generator=g)}
+    width = (1 + prev) * H
+    if kind == "swiglu":
+        old |= {"in_proj.weight": 0.1 * torch.randn(2 * I, width, generator=g),
+                "out_proj.weight": 0.1 * torch.randn(H, I, generator=g)}
+    else:
+        old["out_proj.weight"] = 0.1 * torch.randn(H, width, generator=g)
+    final = 1 + 0.2 * torch.randn(H, generator=g)
+    h, e = torch.randn(6, H, generator=g), torch.randn(6, prev, H, generator=g)
+    x = torch.cat([_rms(h, old["state_norm.weight"]), _rms(e, old["token_norm.weight"]).flatten(-2)], dim=-1)
+    if kind == "swiglu":
+        u, gate = (x @ old["in_proj.weight"].T).chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * u
+    expected = h + x @ old["out_proj.weight"].T  # the old layer, written out
+    layer = ARApproximation(H, I, kind, prev)
+    layer.load_state_dict(from_legacy(old, final))
+    torch.testing.assert_close(layer(h, _rms(h, final), e), expected, atol=1e-5, rtol=1e-4)

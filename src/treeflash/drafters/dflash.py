@@ -73,7 +73,8 @@ def conditional_tables(model: DFlashDrafter, tokens: list[int], h: torch.Tensor,
     else:
         prev = prev[:, :, None]
     embed = model.embed(prev).to(h.dtype)  # [D, M, p, H]
-    states = model.ar_layer(h[:, None, :].expand(D, M, -1), embed)  # [D, M, H]: one batched call
+    states = model.ar_layer(h[:, None, :].expand(D, M, -1), model.norm(h)[:, None, :].expand(D, M, -1),
+                            embed)  # [D, M, H]: one batched call
     rows = model.lm_head.weight[wide]  # [D, N, H]: the LM-head rows of each depth's top N
     logits = torch.einsum("djh,dnh->djn", model.norm(states).to(rows.dtype), rows).float()
     return cand, torch.softmax(logits, dim=-1)[..., :M] * probs.sum(-1)[:, None, None]

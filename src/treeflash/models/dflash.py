@@ -99,10 +99,21 @@ class DFlashConfig:
         d["dflash_config"] = {"block_size": d["block_size"], "mask_token_id": d.pop("mask_token_id"),
                               "target_layer_ids": d.pop("target_layer_ids")}
         d["rope_parameters"] = {"rope_theta": d.pop("rope_theta"), "rope_type": "default"}
-        ar = d.pop("ar_layer")
-        if ar:
+        ar, architecture = d.pop("ar_layer"), "DFlashDraftModel"
+        if ar and self.published_treeflash:
+            d["treeflash_config"] = {"ar_approximation": "swiglu", "candidate_tokens": 16}
+            architecture = "TreeFlashDraftModel"
+        elif ar:
             d["treeflash_config"] = {"ar_approximation": ar}
-        return {**extra, "architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d}
+        return {**extra, "architectures": [architecture], "model_type": "qwen3", **d}
+
+    @property
+    def published_treeflash(self) -> bool:
+        """Whether the published TreeFlash layout can express this drafter: a mask token id, and an AR layer that
+        is a SwiGLU on one previous token, as wide as the drafter's MLP."""
+        ar = self.ar_layer or {}
+        return self.mask_token_id is not None and ar.get("kind") == "swiglu" and ar.get("prev_tokens") == 1 \
+            and ar.get("intermediate_size") == self.intermediate_size
 
     @classmethod
     def from_json(cls, d: dict) -> "DFlashConfig":
@@ -116,6 +127,8 @@ class DFlashConfig:
                 raise DrafterError("drafter config has neither target_layer_ids nor num_target_layers")
             layer_ids = tap_layers(n_target, d.get("num_hidden_layers", 5))
         ar = (d.pop("treeflash_config", None) or {}).get("ar_approximation")
+        if ar == "swiglu":  # the published TreeFlash layout: one previous token, the MLP's width
+            ar = {"kind": "swiglu", "prev_tokens": 1, "intermediate_size": d["intermediate_size"]}
         known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "ar_layer")}
         kwargs = {k: d.pop(k) for k in list(d) if k in known}
         kwargs.update(
@@ -126,6 +139,7 @@ class DFlashConfig:
         )
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
         kwargs.setdefault("num_target_layers", max(layer_ids) + 1)
+        d.pop("architectures", None)  # written anew on save (DFlash or TreeFlash)
         return cls(**kwargs, ar_layer=ar if isinstance(ar, dict) else None, extra=d)
 
 
@@ -269,7 +283,7 @@ class DFlashDrafter(nn.Module):
         h = self.hidden(self.block_inputs(first_tokens), positions, ctx_kv, mask)
         h = h.unflatten(0, (len(first_tokens), self.config.block_size))[:, 1:]
         if self.ar_layer is not None and prev_tokens is not None:
-            h = self.ar_layer(h, self.embed(prev_tokens).to(h.dtype))
+            h = self.ar_layer(h, self.norm(h), self.embed(prev_tokens).to(h.dtype))
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -313,10 +327,14 @@ class DFlashDrafter(nn.Module):
     # ---- save / load -------------------------------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
                         backbone: str | Path | None = None) -> None:
-        """config.json + model.safetensors. With `backbone` (the DFlash drafter folder this TreeFlash drafter was
-        trained on, frozen), only the AR layer is saved, and the config points to the backbone (relative path,
-        and the hash of its weights, checked on load): an adapter, as PEFT saves them."""
-        if backbone is None:
+        """config.json + model.safetensors, in the published layouts: DFlash's, and TreeFlash's (the backbone under
+        `model.`, the AR layer as `ar_approximation`) where it can express the AR layer (see ar_layer.py).
+        With `backbone` (the DFlash drafter folder this TreeFlash drafter was trained on, frozen), only the AR layer
+        is saved, and the config points to the backbone (relative path, and the hash of its weights, checked on
+        load): an adapter, as PEFT saves them."""
+        if backbone is None and self.ar_layer is not None and self.config.published_treeflash:
+            return save_checkpoint(_PublishedTreeFlash(self), self.config.to_json(), folder, dtype)
+        if backbone is None:  # DFlash, or a TreeFlash drafter the published layout cannot express
             return save_checkpoint(self, self.config.to_json(), folder, dtype)
         if self.ar_layer is None:
             raise ValueError("only a TreeFlash drafter (with an AR layer) can be saved against a backbone")
@@ -340,9 +358,12 @@ class DFlashDrafter(nn.Module):
                           "engines cannot load it, and treeflash will stop reading it; train it again (`treeflash "
                           "train dflash` picks a mask token)", FutureWarning, stacklevel=2)
         state = read_weights(folder)
+        if any(k.startswith("model.") for k in state):  # the published TreeFlash layout: the backbone under model.
+            state = {k.removeprefix("model.").replace("ar_approximation.", "ar_layer.", 1): v
+                     for k, v in state.items()}
         # published checkpoints may carry the target's embedding / head: the target's own are used instead
         state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
-        load_strict(model, state, str(folder))
+        load_strict(model, _current_ar_layer(state, state.get("norm.weight")), str(folder))
         return model.to(dtype).eval()
 
     @classmethod
@@ -358,13 +379,39 @@ class DFlashDrafter(nn.Module):
         model = cls.from_pretrained(backbone, dtype=torch.float32)
         if model.ar_layer is not None:
             raise DrafterError(f"the backbone of {folder} ({backbone}) is itself a TreeFlash drafter")
-        model.add_ar_layer(**tf["ar_approximation"])
+        model.add_ar_layer(**DFlashConfig.from_json(raw).ar_layer)
         state = read_weights(folder)
         if not all(k.startswith("ar_layer.") for k in state):
             raise DrafterError(f"{folder} points to a backbone, so it must hold AR-layer weights only")
+        state = _current_ar_layer(state, model.norm.weight.detach())
         load_strict(model.ar_layer, {k.removeprefix("ar_layer."): v for k, v in state.items()}, str(folder))
         model.backbone_folder = backbone
         return model.to(dtype).eval()
+
+
+class _PublishedTreeFlash(nn.Module):
+    """The published TreeFlash parameter names: the DFlash backbone as `model`, the AR layer as
+    `ar_approximation` (a view for saving; it shares the drafter's tensors)."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.model = nn.Module()
+        for name, child in drafter.named_children():
+            if name != "ar_layer":
+                self.model.add_module(name, child)
+        self.ar_approximation = drafter.ar_layer
+
+
+def _current_ar_layer(state: dict[str, torch.Tensor], final_norm: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A state dict whose AR layer (`ar_layer.*`) may be in treeflash's layout before the published one: converted
+    (ar_layer.from_legacy); anything else unchanged."""
+    from .ar_layer import from_legacy
+
+    if "ar_layer.state_norm.weight" not in state:
+        return state
+    old = {k.removeprefix("ar_layer."): v for k, v in state.items() if k.startswith("ar_layer.")}
+    rest = {k: v for k, v in state.items() if not k.startswith("ar_layer.")}
+    return {**rest, **{"ar_layer." + k: v for k, v in from_legacy(old, final_norm).items()}}
 
 
 RANKING_FILE = "token_ranking.json"
