@@ -147,7 +147,8 @@ def test_dist_command_reports_both_kinds(tmp_path, tiny_folder, capsys):  # noqa
     from treeflash.cli import main
 
     model = AutoModelForCausalLM.from_pretrained(tiny_folder)
-    drafter = DFlashDrafter(DFlashConfig.for_target(model.config, num_layers=1, num_taps=2, block_size=4))
+    drafter = DFlashDrafter(DFlashConfig.for_target(model.config, num_layers=1, num_taps=2, block_size=4,
+                                                     mask_token_id=16))
     drafter.add_ar_layer("swiglu", 1)
     drafter.save_pretrained(tmp_path / "tf", dtype=torch.float32)
     out, png = tmp_path / "dist.json", tmp_path / "dist.png"

@@ -218,7 +218,8 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     write_regen(tmp_path / "regen")
     model = AutoModelForCausalLM.from_pretrained(tiny_folder)
     torch.manual_seed(0)
-    backbone = DFlashDrafter(DFlashConfig.for_target(model.config, num_layers=1, num_taps=2, block_size=4))
+    backbone = DFlashDrafter(DFlashConfig.for_target(model.config, num_layers=1, num_taps=2, block_size=4,
+                                                     mask_token_id=16))
     backbone.add_ar_layer("swiglu", 1)
     backbone.save_pretrained(tmp_path / "tf", dtype=torch.float32)
     out = tmp_path / "run"
