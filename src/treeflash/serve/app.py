@@ -150,20 +150,22 @@ def create_app(target, worker: Worker, settings: Settings) -> FastAPI:
 
 async def _finish(job: Job, request: Request) -> Finished:
     """The end of a non-streamed request. A client that leaves stops it at the next round."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(job, request))
     try:
-        while True:
-            try:
-                kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise APIError(499, "the client closed the request") from None
-                continue
-            if kind == "error":
-                raise value
-            if kind == "done":
-                return value
+        while (event := await job.events.get())[0] == "text":  # the whole text comes with "done"
+            pass
     finally:
-        job.cancel()  # no-op once done
+        watcher.cancel()
+    kind, value = event
+    if kind == "error":
+        raise value
+    return value
+
+
+async def _cancel_on_disconnect(job: Job, request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    job.cancel()
 
 
 async def _stream(job: Job, reply: Reply, prompt_tokens: int, method: str):

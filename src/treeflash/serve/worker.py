@@ -123,6 +123,7 @@ class Worker:
 
     def _serve(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while queued
+            job.post("error", APIError(499, "the client closed the request"))
             return
         if job.should_stop():  # the deadline passed while queued
             job.post("error", _timeout())
