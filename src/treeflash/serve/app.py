@@ -8,6 +8,7 @@ Retry-After. Answers carry OpenAI's `usage` and a `treeflash` object: method, ta
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import random
 import secrets
@@ -15,6 +16,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -25,7 +27,7 @@ from ..verify import Sampling
 from .metrics import CONTENT_TYPE
 from .openai_api import APIError, ChatRequest, CompletionRequest, Reply, _Request, usage
 from .text import TextStream
-from .worker import Finished, Job, QueueFull, Worker
+from .worker import Finished, Job, QueueFull, Worker, engine_decoder
 
 RETRY_AFTER_S = 1  # a full queue: when to ask again
 DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
@@ -173,18 +175,15 @@ async def _stream(job: Job, reply: Reply, prompt_tokens: int, method: str):
     try:
         if reply.chat:
             yield _event(reply.chunk(first=True))
-        while True:
-            kind, value = await job.events.get()
-            if kind == "text":
-                yield _event(reply.chunk(value))
-                continue
-            if kind == "error":
-                yield _event(value.body())
-            else:
-                yield _event(reply.chunk(finish_reason=value.finish_reason, extension=_extension(method, value.result)))
-                if reply.include_usage:
-                    yield _event(reply.usage_chunk(usage(prompt_tokens, value.completion_tokens)))
-            break
+        while (event := await job.events.get())[0] == "text":
+            yield _event(reply.chunk(event[1]))
+        kind, value = event
+        if kind == "error":
+            yield _event(value.body())
+        else:
+            yield _event(reply.chunk(finish_reason=value.finish_reason, extension=_extension(method, value.result)))
+            if reply.include_usage:
+                yield _event(reply.usage_chunk(usage(prompt_tokens, value.completion_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()  # the client left mid-stream: the decoding stops at its next round (no-op once done)
@@ -232,8 +231,6 @@ class CountStatus:
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress
-
     try:
         return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
@@ -243,9 +240,5 @@ def is_loopback(host: str) -> bool:
 def run(target, drafter, settings: Settings, budget: int | str, max_budget: int, max_queue: int, host: str,
         port: int) -> None:
     """Serve until SIGTERM or Ctrl-C; uvicorn then stops taking requests and lets the ones in flight finish."""
-    import uvicorn
-
-    from .worker import engine_decoder
-
     worker = Worker(engine_decoder(target, drafter, budget, max_budget), target.eos_ids, max_queue)
     uvicorn.run(create_app(target, worker, settings), host=host, port=port)

@@ -30,6 +30,7 @@ class APIError(Exception):
 
 
 def _default(*values) -> Callable[[Any], bool]:
+    """A test for "left out, or one of these values" (of the same type: True is not 1)."""
     return lambda value: value is None or any(value == v and type(value) is type(v) for v in values)
 
 
@@ -138,15 +139,12 @@ class Reply:
     chat: bool
     model: str
     include_usage: bool = False  # stream chunks carry "usage": null, and a last chunk the usage
-    id: str = ""
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self):
-        self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
     def _envelope(self, chunk: bool, choices: list[dict]) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     def body(self, text: str, finish_reason: str, usage: dict, extension: dict) -> dict:
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
