@@ -578,8 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _quiet_libraries()
-        {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "paired": cmd_paired, "overhead": cmd_overhead,
-         "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
+        {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "paired": cmd_paired,
+         "overhead": cmd_overhead, "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
          "train": cmd_train}[args.command](args)
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)
