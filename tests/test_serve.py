@@ -79,10 +79,8 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def reference(smollm2):
     """Plain decoding of the chat question and the raw prompt: (prompt tokens, new tokens)."""
-    out = {}
-    for kind, prompt in (("chat", smollm2.encode_prompt(QUESTION)), ("completion", smollm2.encode_prompt(PROMPT, False))):
-        out[kind] = (prompt, plain(smollm2, prompt))
-    return out
+    prompts = {"chat": smollm2.encode_prompt(QUESTION), "completion": smollm2.encode_prompt(PROMPT, chat=False)}
+    return {kind: (prompt, plain(smollm2, prompt)) for kind, prompt in prompts.items()}
 
 
 @pytest.fixture(scope="module")

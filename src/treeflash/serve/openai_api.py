@@ -144,7 +144,8 @@ class Reply:
 
     def _envelope(self, chunk: bool, choices: list[dict]) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
+                "model": self.model, "choices": choices}
 
     def body(self, text: str, finish_reason: str, usage: dict, extension: dict) -> dict:
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
