@@ -116,6 +116,9 @@ def test_generate_streams_and_prints_json(tiny_folder, capsys):
     (["generate", "   "], "empty"),
     (["generate", "hi", "--target", "/no/such/model"], "no model folder"),
     (["generate", "hi", "--target", "missing.gguf"], "no such GGUF"),
+    (["serve", "--max-queue", "0"], "max-queue"),
+    (["serve", "--timeout", "0"], "timeout"),
+    (["serve", "--temperature", "-1"], "temperature"),
 ])
 def test_user_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -131,6 +134,24 @@ def test_bad_field_and_bad_json(tiny_folder, tmp_path, capsys):
     data.write_text("{not json\n")
     assert main(["bench", "--target", tiny_folder, "--dataset", str(data)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_serve_settings_and_the_open_address_warning(tiny_folder, monkeypatch, capsys):
+    import treeflash.serve.app as serve_app
+
+    calls = []
+    monkeypatch.setattr(serve_app, "run", lambda *args: calls.append(args))  # no server: what it would serve
+    monkeypatch.delenv("TREEFLASH_API_KEY", raising=False)
+    assert main(["serve", "--target", tiny_folder, "--max-new-tokens", "7", "--max-queue", "3"]) == 0
+    target, drafter, settings, budget, max_budget, max_queue, host, port = calls[-1]
+    assert (settings.model, settings.method, settings.api_key, settings.max_tokens) == (tiny_folder, "pld", None, 7)
+    assert (drafter.name, budget, max_queue, host, port) == ("pld", "auto", 3, "127.0.0.1", 8000)
+    assert "warning" not in capsys.readouterr().err
+    assert main(["serve", "--target", tiny_folder, "--host", "0.0.0.0", "--served-model-name", "m"]) == 0
+    assert calls[-1][2].model == "m" and "without an API key" in capsys.readouterr().err
+    monkeypatch.setenv("TREEFLASH_API_KEY", "k")
+    assert main(["serve", "--target", tiny_folder, "--host", "0.0.0.0"]) == 0
+    assert calls[-1][2].api_key == "k" and "warning" not in capsys.readouterr().err
 
 
 def test_prompt_longer_than_the_context(tiny_folder, capsys):

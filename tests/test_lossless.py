@@ -58,6 +58,21 @@ def test_streaming_callback_sees_every_token_once(tiny):
     assert seen == result.tokens
 
 
+def test_should_stop_ends_the_generation_between_rounds(tiny):
+    prompt = repetitive_prompt(random.Random(4), tiny.config.vocab_size)
+    full = generate(tiny, make_drafter("pld"), prompt, 40, budget=4).tokens
+    asked = 0
+
+    def stop_after_three_rounds() -> bool:
+        nonlocal asked
+        asked += 1
+        return asked > 3
+
+    result = generate(tiny, make_drafter("pld"), prompt, 40, budget=4, should_stop=stop_after_three_rounds)
+    assert len(result.rounds) == 3 and asked == 4
+    assert result.tokens == full[:len(result.tokens)] and len(result.tokens) < len(full)
+
+
 @pytest.mark.real
 def test_smollm2_pld_and_tree_drafter_match_ar(smollm2):
     prompts = ["Write a Python function that returns the sum of a list, then explain it.",

@@ -1,4 +1,4 @@
-"""The `treeflash` command line: generate, bench, overhead, dist, gdn-bench, data regen, train."""
+"""The `treeflash` command line: generate, serve, bench, overhead, dist, gdn-bench, data regen, train."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -124,6 +131,22 @@ def build_parser() -> Parser:
                    help="decoding method (default: treeflash with the shipped drafter, else ddtree, else pld)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_decoding_args(g)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
+                        description="Requests that leave out max_tokens, temperature, top_p or seed get "
+                        "--max-new-tokens, --temperature (0: greedy), --top-p, and a seed drawn from --seed.")
+    sv.add_argument("--method", default=None, choices=list(METHODS),
+                    help="decoding method (default: treeflash with the shipped drafter, else ddtree, else pld)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="clients must send Authorization: Bearer KEY "
+                    "(default: $TREEFLASH_API_KEY; unset: no key)")
+    sv.add_argument("--max-queue", type=_positive_int, default=16,
+                    help="requests waiting behind the one decoding; more get 429 (16)")
+    sv.add_argument("--timeout", type=_positive_float, default=600.0,
+                    help="seconds from a request's arrival to the end of its answer (600)")
+    sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --target)")
+    _add_decoding_args(sv)
 
     for name, text in (("bench", "compare methods on a dataset: tau, tokens/s, speedup, exactness"),
                        ("paired", "compare tree builders on one shared continuation (driven by the first "
@@ -290,11 +313,7 @@ def cmd_generate(args) -> None:
     sampling = _sampling(args)
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
-    if args.method is None:  # the fastest method available for the target (see the model cards' benchmarks)
-        available = available_methods(args.target, args.drafter)
-        args.method = next(m for m in ("treeflash", "ddtree", "pld") if m in available)
-    if args.method == "tfm":
-        _require_weaver(args)
+    _choose_method(args)
     target = _load_target(args)
     prompt = _encode(target, args.prompt)
     emitted: list[int] = []
@@ -322,6 +341,33 @@ def cmd_generate(args) -> None:
         print(rest)
         print(f"[{args.method}: {len(result.tokens)} tokens, tau {result.tau:.2f}, "
               f"{len(result.tokens) / result.seconds:.1f} tokens/s]", file=sys.stderr)
+
+
+def cmd_serve(args) -> None:
+    from .drafters import make_drafter
+    from .serve.app import Settings, is_loopback, run
+
+    sampling = _sampling(args)
+    _choose_method(args)
+    api_key = args.api_key or os.environ.get("TREEFLASH_API_KEY") or None
+    if api_key is None and not is_loopback(args.host):
+        print(f"treeflash: warning: serving on {args.host} without an API key: whoever reaches it can use it "
+              "(set --api-key or TREEFLASH_API_KEY)", file=sys.stderr)
+    target = _load_target(args)
+    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width, args.draft_vocab)
+    settings = Settings(model=args.served_model_name or args.target, method=args.method, api_key=api_key,
+                        timeout=args.timeout, max_tokens=args.max_new_tokens, temperature=sampling.temperature,
+                        top_p=sampling.top_p, top_k=sampling.top_k, seed=args.seed)
+    run(target, drafter, settings, args.budget, args.max_budget, args.max_queue, args.host, args.port)
+
+
+def _choose_method(args) -> None:
+    """--method left out: the fastest method available for the target (see the model cards' benchmarks)."""
+    if args.method is None:
+        available = available_methods(args.target, args.drafter)
+        args.method = next(m for m in ("treeflash", "ddtree", "pld") if m in available)
+    if args.method == "tfm":
+        _require_weaver(args)
 
 
 def _require_weaver(args) -> None:
@@ -532,8 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _quiet_libraries()
-        {"generate": cmd_generate, "bench": cmd_bench, "paired": cmd_paired, "overhead": cmd_overhead,
-         "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
+        {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "paired": cmd_paired,
+         "overhead": cmd_overhead, "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
          "train": cmd_train}[args.command](args)
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)

@@ -116,11 +116,14 @@ def generate(
     seed: int | None = None,
     on_token: Callable[[int], None] | None = None,
     max_budget: int = DEFAULT_MAX_BUDGET,
+    should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` after `prompt`, stopping after an EOS token. Lossless for every drafter.
 
     `budget`: draft nodes per tree, or "auto": each round the tree prefix (up to `max_budget` nodes) that
-    maximises expected tokens per second, or a plain AR step when no tree pays (speculation.Policy)."""
+    maximises expected tokens per second, or a plain AR step when no tree pays (speculation.Policy).
+    `should_stop`, asked before every round, ends the generation early when it returns True (a server's client
+    that left, a stop string seen, a deadline passed)."""
     if budget != AUTO and (not isinstance(budget, int) or budget < 1):
         raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
     if max_budget < 1:
@@ -144,7 +147,7 @@ def generate(
     result = GenerationResult(seq.emitted, prefill_s=_now(target.device) - t0)
     if on_token:
         on_token(first)
-    while not seq.done(max_new_tokens, target.eos_ids):
+    while not seq.done(max_new_tokens, target.eos_ids) and not (should_stop and should_stop()):
         new, _, _, round_ = step(target, drafter, seq, sampling, plan, generator)
         kept = seq.extend(new, max_new_tokens, target.eos_ids)
         for token in kept if on_token else ():

@@ -187,12 +187,16 @@ class Target:
     # ---- text ----------------------------------------------------------------------------------------------------
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user prompt, wrapped in the chat template when the tokenizer has one."""
+        return self.encode_chat([{"role": "user", "content": text}]) if chat else self.tokenizer(text).input_ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation ({"role", "content"} dicts) in the chat template, ready for the assistant's
+        reply; a tokenizer without a template gets the contents joined by newlines."""
         tok = self.tokenizer
-        if chat and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                           add_generation_prompt=True)
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return tok(text, add_special_tokens=False).input_ids
-        return tok(text).input_ids
+        return tok("\n".join(m["content"] for m in messages)).input_ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

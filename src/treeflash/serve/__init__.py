@@ -1,0 +1,5 @@
+"""`treeflash serve`: an OpenAI-compatible HTTP server over the lossless speculative decoding engine.
+
+openai_api: OpenAI's request, answer and error shapes; text: tokens to text, cut at stop strings; worker: the one
+decoding thread behind a bounded queue; metrics: Prometheus text; app: the FastAPI routes.
+"""

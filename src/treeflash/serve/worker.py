@@ -1,0 +1,149 @@
+"""One decoding thread serving the requests in arrival order, behind a bounded queue.
+
+The target holds one sequence's KV cache, so requests run one at a time. The thread runs `engine.generate` (torch
+releases the GIL, so the event loop keeps answering meanwhile) and posts each request's text to its asyncio queue
+as it comes. A request ends early when its client leaves, its stop string shows up or its deadline passes: the
+engine asks `Job.should_stop` before every round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine import GenerationResult, generate
+from ..verify import Sampling
+from .metrics import Metrics
+from .openai_api import APIError
+from .text import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Finished:
+    text: str  # the whole output, cut at a stop string
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    completion_tokens: int
+    result: GenerationResult
+
+
+@dataclass
+class Job:
+    """One request: its prompt and settings, and the events it receives from the worker, in order:
+    ("text", str)*, then ("done", Finished) or ("error", APIError)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    seed: int | None
+    text: TextStream
+    deadline: float  # time.monotonic() after which the request ends with a timeout error
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    timed_out: bool = False
+
+    def cancel(self) -> None:
+        """The client left: stop at the next round (or skip the job, still queued)."""
+        self.cancelled.set()
+
+    def should_stop(self) -> bool:
+        self.timed_out = self.timed_out or time.monotonic() > self.deadline
+        return self.cancelled.is_set() or self.text.stopped or self.timed_out
+
+    def on_token(self, token: int) -> None:
+        if delta := self.text.add(token):
+            self.post("text", delta)
+
+    def post(self, kind: str, value) -> None:  # from the worker thread
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+Decode = Callable[[Job], GenerationResult]
+
+
+def engine_decoder(target, drafter, budget: int | str, max_budget: int) -> Decode:
+    """Decoding through `engine.generate`: the same call as `treeflash generate`, so the same tokens."""
+
+    def decode(job: Job) -> GenerationResult:
+        return generate(target, drafter, job.prompt, job.max_tokens, job.sampling, budget, seed=job.seed,
+                        on_token=job.on_token, max_budget=max_budget, should_stop=job.should_stop)
+
+    return decode
+
+
+class Worker:
+    def __init__(self, decode: Decode, eos_ids: frozenset[int] = frozenset(), max_queue: int = 16,
+                 metrics: Metrics | None = None):
+        self.decode, self.eos_ids = decode, eos_ids
+        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)  # None: the end
+        self.metrics = metrics or Metrics()
+        self.thread = threading.Thread(target=self._run, name="treeflash-decode", daemon=True)
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting (the one decoding excluded)."""
+        return self.queue.qsize()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+
+    def close(self) -> None:
+        """Finish every queued job, then stop the thread."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+
+    def _run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            try:
+                self._serve(job)
+            except Exception:  # a bug must not take the server down: this request fails, the next one runs
+                log.exception("decoding failed")
+                job.post("error", APIError(500, "internal error while decoding", type="server_error"))
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled.is_set():  # the client left while queued
+            job.post("error", APIError(499, "the client closed the request"))
+            return
+        if job.should_stop():  # the deadline passed while queued
+            job.post("error", _timeout())
+            return
+        result = self.decode(job)
+        self._measure(job, result)
+        if job.timed_out and not job.text.stopped:
+            job.post("error", _timeout())
+            return
+        if rest := job.text.finish():
+            job.post("text", rest)
+        stopped = job.text.stopped or (result.tokens and result.tokens[-1] in self.eos_ids)
+        job.post("done", Finished(job.text.text, "stop" if stopped else "length", len(job.text.tokens), result))
+
+    def _measure(self, job: Job, result: GenerationResult) -> None:
+        decode_s = result.seconds - result.prefill_s
+        tpot = decode_s / (len(result.tokens) - 1) if len(result.tokens) > 1 else None
+        self.metrics.generation(len(job.prompt), len(job.text.tokens), result.tau if result.rounds else None, tpot)
+
+
+def _timeout() -> APIError:
+    return APIError(504, "the request ran longer than the server's --timeout; ask for fewer tokens",
+                    code="timeout", type="server_error", headers={"x-should-retry": "false"})

@@ -1,0 +1,403 @@
+"""treeflash serve: the official openai client against a real uvicorn server on loopback.
+
+At T = 0 every method's answer equals plain decoding (`engine.generate` with the ar drafter); stop strings cut as
+OpenAI cuts them, streamed too; bad requests get OpenAI's error object; a full queue gets 429; a client that leaves
+stops its generation; shutdown finishes the request in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from treeflash.cli import available_methods
+from treeflash.drafters import make_drafter
+from treeflash.engine import GenerationResult, generate
+from treeflash.serve.app import Settings, create_app
+from treeflash.serve.openai_api import APIError
+from treeflash.serve.text import TextStream
+from treeflash.serve.worker import Job, QueueFull, Worker, engine_decoder
+from treeflash.verify import Sampling
+
+MODEL = "smollm2-135m-instruct"
+TOKENS = 24
+QUESTION = "Name three prime numbers and say why each is prime."
+PROMPT = "The three laws of motion are"
+TARGET_LOCK = threading.Lock()  # the target holds one sequence: servers and references here take turns
+
+
+@contextmanager
+def running(app):
+    """A uvicorn server on a free loopback port, in a thread; yields (base URL, server)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(3000):
+        if server.started or not thread.is_alive():
+            break
+        time.sleep(0.01)
+    assert server.started, "the server did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        assert not thread.is_alive()
+
+
+def serving(target, method: str = "ar", decode=None, max_queue: int = 16, **settings):
+    """A running server; `decode` replaces the engine (a fake that never touches the model)."""
+    if decode is None:
+        engine = engine_decoder(target, make_drafter(method, target), "auto", 16)
+
+        def decode(job):
+            with TARGET_LOCK:
+                return engine(job)
+
+    worker = Worker(decode, target.eos_ids, max_queue)
+    return running(create_app(target, worker, Settings(model=MODEL, method=method, **settings)))
+
+
+def plain(target, prompt: list[int], tokens: int = TOKENS, **kwargs) -> list[int]:
+    with TARGET_LOCK:
+        return generate(target, make_drafter("ar"), prompt, tokens, **kwargs).tokens
+
+
+def client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """Plain decoding of the chat question and the raw prompt: (prompt tokens, new tokens)."""
+    prompts = {"chat": smollm2.encode_prompt(QUESTION), "completion": smollm2.encode_prompt(PROMPT, chat=False)}
+    return {kind: (prompt, plain(smollm2, prompt)) for kind, prompt in prompts.items()}
+
+
+@pytest.fixture(scope="module")
+def ar_server(smollm2, reference):
+    with serving(smollm2) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module", params=available_methods(MODEL, None))
+def method_server(request, smollm2, reference):
+    with serving(smollm2, request.param) as (url, _):
+        yield url, request.param
+
+
+# ---- end to end: the text is plain decoding's ------------------------------------------------------------------
+@pytest.mark.real
+def test_every_method_answers_as_plain_decoding(method_server, reference, smollm2):
+    url, method = method_server
+    assert method in ("ar", "pld", "dflash", "ddtree", "treeflash", "tfm")
+    c = client(url)
+    (chat_prompt, chat_tokens), (raw_prompt, raw_tokens) = reference["chat"], reference["completion"]
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                     max_tokens=TOKENS, temperature=0)
+    assert chat.choices[0].message.content == smollm2.decode(chat_tokens)
+    assert chat.choices[0].finish_reason == "length"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(chat_prompt), TOKENS)
+    extension = chat.model_extra["treeflash"]
+    assert extension["method"] == method and extension["tau"] >= 1 and extension["rounds"] >= 1
+    assert 0 <= extension["mean_tree_size"] <= 16
+
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == smollm2.decode(raw_tokens)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == TOKENS
+    assert chunks[-1].usage.prompt_tokens == len(raw_prompt) == len(smollm2.tokenizer(PROMPT).input_ids)
+
+
+@pytest.mark.real
+def test_streamed_chat_and_plain_completion(ar_server, reference, smollm2):
+    c = client(ar_server)
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                       max_tokens=TOKENS, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == smollm2.decode(reference["chat"][1])
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].model_extra["treeflash"]["method"] == "ar"
+    done = c.completions.create(model=MODEL, prompt=[PROMPT], max_tokens=TOKENS)
+    assert done.object == "text_completion" and done.choices[0].text == smollm2.decode(reference["completion"][1])
+    assert done.usage.total_tokens == len(reference["completion"][0]) + TOKENS
+
+
+@pytest.mark.real
+def test_a_conversation_goes_through_the_chat_template(ar_server, smollm2):
+    messages = [{"role": "system", "content": "You answer in one short sentence."},
+                {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+                {"role": "user", "content": [{"type": "text", "text": "And 3 + 3?"}]}]
+    tok = smollm2.tokenizer
+    plain_messages = messages[:3] + [{"role": "user", "content": "And 3 + 3?"}]
+    prompt = tok(tok.apply_chat_template(plain_messages, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False).input_ids
+    answer = client(ar_server).chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.choices[0].message.content == smollm2.decode(plain(smollm2, prompt, 12))
+
+
+@pytest.mark.real
+def test_a_seed_gives_the_engine_s_sample(ar_server, smollm2):
+    c = client(ar_server)
+    texts = [c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7).choices[0].text
+             for _ in range(2)]
+    sample = plain(smollm2, smollm2.encode_prompt(PROMPT, False), 8, sampling=Sampling(1.0), seed=7)
+    assert texts == [smollm2.decode(sample)] * 2
+
+
+# ---- stop strings ------------------------------------------------------------------------------------------------
+@pytest.mark.real
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_before_the_first_match(ar_server, reference, smollm2, stream):
+    tokens = reference["chat"][1]
+    text = smollm2.decode(tokens)
+    late, early = text[len(text) * 2 // 3:][:5], text[len(text) // 3:][:6]  # two stops spanning tokens, likely
+    cut = min(text.index(late), text.index(early))
+    needed = next(k for k in range(1, len(tokens) + 1) if late in smollm2.decode(tokens[:k])
+                  or early in smollm2.decode(tokens[:k]))
+    c = client(ar_server)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=TOKENS, stop=[late, early])
+    if stream:
+        chunks = list(c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        out = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        finish, used = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1], chunks[-1].usage
+    else:
+        answer = c.chat.completions.create(**kwargs)
+        out, finish, used = answer.choices[0].message.content, answer.choices[0].finish_reason, answer.usage
+    assert 0 < cut and out == text[:cut] and finish == "stop"
+    assert used.completion_tokens == needed < TOKENS
+
+
+def test_text_stream_holds_back_what_may_start_a_stop():
+    stream = TextStream(lambda ids: "".join(map(chr, ids)), stops=["abc", "zz"])
+    assert [stream.add(ord(ch)) for ch in "xabyab"] == ["x", "", "", "aby", "", ""]
+    assert [stream.add(ord(ch)) for ch in "cq"] == ["", ""] and stream.stopped and stream.text == "xaby"
+    partial = TextStream(lambda ids: "é" if len(ids) > 1 else "\ufffd")  # a character in two tokens
+    assert (partial.add(1), partial.add(2), partial.finish()) == ("", "é", "")
+    held = TextStream(lambda ids: "".join(map(chr, ids)), stops=["ab"])
+    assert (held.add(ord("a")), held.finish()) == ("", "a")
+
+
+# ---- bad requests ------------------------------------------------------------------------------------------------
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+DONE = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+BAD = [  # (endpoint, body, status, param)
+    ("chat/completions", '{"model": "x", "messages": [', 400, None),
+    ("chat/completions", {**CHAT, "messages": "Hi"}, 400, "messages"),
+    ("chat/completions", {**CHAT, "max_tokens": "2"}, 400, "max_tokens"),
+    ("chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),
+    ("chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": " "}]}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages"),
+    ("chat/completions", {**CHAT, "model": "gpt-4o"}, 404, "model"),
+    ("chat/completions", {**CHAT, "max_tokens": -1}, 400, "max_tokens"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("chat/completions", {**CHAT, "temperature": 2.5}, 400, "temperature"),
+    ("chat/completions", {**CHAT, "temperature": -0.1}, 400, "temperature"),
+    ("chat/completions", {**CHAT, "top_p": 0}, 400, "top_p"),
+    ("chat/completions", {**CHAT, "n": 2}, 400, "n"),
+    ("chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat/completions", {**CHAT, "logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ("chat/completions", {**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("chat/completions", {**CHAT, "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("completions", {**DONE, "prompt": ""}, 400, "prompt"),
+    ("completions", {**DONE, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {**DONE, "prompt": "word " * 9000}, 400, "prompt"),
+    ("completions", {**DONE, "best_of": 3}, 400, "best_of"),
+    ("completions", {**DONE, "echo": True}, 400, "echo"),
+    ("completions", {**DONE, "logprobs": 2}, 400, "logprobs"),
+    ("completions", [DONE], 400, None),
+]
+
+
+@pytest.mark.real
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(ar_server):
+    with httpx.Client(base_url=ar_server + "/v1", timeout=60) as http:
+        for endpoint, body, status, param in BAD:
+            sent = dict(content=body, headers={"content-type": "application/json"}) if isinstance(body, str) \
+                else dict(json=body)
+            answer = http.post(endpoint, **sent)
+            assert answer.status_code == status, (body, answer.text)
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], body
+            assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
+        assert http.post("completions", json={**DONE, "prompt": "word " * 9000}).json()["error"]["code"] \
+            == "context_length_exceeded"
+        assert http.post("chat/completions", json={**CHAT, "model": "x"}).json()["error"]["code"] == "model_not_found"
+        ok = http.post("chat/completions", json={**CHAT, "n": 1, "user": "u", "whatever": [1], "logprobs": False,
+                                                 "presence_penalty": 0, "stop": "never-seen"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.real
+def test_api_key(smollm2):
+    with serving(smollm2, api_key="sekret") as (url, _):
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.post(url + "/v1/completions", json=DONE).json()["error"]["code"] == "invalid_api_key"
+        assert [m.id for m in client(url, "sekret").models.list()] == [MODEL]
+        assert client(url, "sekret").completions.create(**DONE).usage.completion_tokens == 2
+        assert httpx.get(url + "/health").status_code == 200
+    with serving(smollm2) as (url, _):  # no key configured: any key, or none, is fine
+        assert httpx.get(url + "/v1/models").status_code == 200
+
+
+# ---- the queue, timeouts, clients that leave, shutdown ----------------------------------------------------------
+def _fake(target, started: threading.Event, gate: threading.Event, seen: list | None = None):
+    """A decoder that never touches the model: it waits for `gate`, then emits the tokens of "hello world"."""
+    def decode(job: Job) -> GenerationResult:
+        if seen is not None:
+            seen.append(job.prompt)
+        started.set()
+        assert gate.wait(30)
+        tokens = target.tokenizer(" hello world").input_ids
+        for token in tokens:
+            job.on_token(token)
+        return GenerationResult(tokens, 0.0)
+
+    return decode
+
+
+def _wait_until(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_worker_serves_in_order_behind_a_bounded_queue():
+    async def main():
+        started, gate, seen = threading.Event(), threading.Event(), []
+
+        def decode(job):
+            seen.append(job.prompt[0])
+            started.set()
+            assert gate.wait(30)
+            if job.prompt[0] == 1:
+                raise RuntimeError("a bug")
+            return GenerationResult([], 0.0)
+
+        worker = Worker(decode, max_queue=2)
+        worker.start()
+        jobs = [Job([i], 4, Sampling(), 0, TextStream(str), time.monotonic() + 60) for i in range(5)]
+        worker.submit(jobs[0])
+        started.wait(30)  # decoding now: the queue is empty
+        for job in jobs[1:3]:
+            worker.submit(job)
+        with pytest.raises(QueueFull):
+            worker.submit(jobs[3])
+        assert worker.depth == 2
+        gate.set()
+        events = [await job.events.get() for job in jobs[:3]]
+        await asyncio.to_thread(worker.close)
+        assert seen == [0, 1, 2] and [kind for kind, _ in events] == ["done", "error", "done"]
+        assert isinstance(events[1][1], APIError) and events[1][1].status == 500  # the worker survived the bug
+
+    asyncio.run(main())
+
+
+@pytest.mark.real
+def test_full_queue_answers_429_with_retry_after(smollm2):
+    started, gate = threading.Event(), threading.Event()
+    with serving(smollm2, decode=_fake(smollm2, started, gate), max_queue=1) as (url, _):
+        with httpx.Client(base_url=url, timeout=60) as http:
+            results: list[httpx.Response] = []
+            threads = [threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=DONE)))
+                       for _ in range(2)]
+            threads[0].start()
+            assert started.wait(30)  # the first request decodes
+            threads[1].start()
+            _wait_until(lambda: http.get("/health").json()["queue_depth"] == 1)  # the second waits
+            busy = http.post("/v1/completions", json=DONE)
+            assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
+            assert busy.json()["error"]["code"] == "rate_limit_exceeded"
+            gate.set()
+            for t in threads:
+                t.join(30)
+            assert [r.status_code for r in results] == [200, 200]
+            assert results[0].json()["choices"][0]["text"] == " hello world"
+            assert 'treeflash_requests_total{code="429"} 1' in http.get("/metrics").text
+
+
+@pytest.mark.real
+def test_timeout_ends_the_request_with_an_error(smollm2):
+    def slow(job: Job) -> GenerationResult:  # one token, then rounds until the deadline stops it
+        job.on_token(smollm2.tokenizer(" hi").input_ids[0])
+        _wait_until(job.should_stop)
+        return GenerationResult([1], 0.0)
+
+    with serving(smollm2, decode=slow, timeout=0.3) as (url, _):
+        answer = httpx.post(url + "/v1/completions", json=DONE, timeout=60)
+        assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout"
+        with pytest.raises(openai.APIError, match="timeout"):
+            list(client(url).completions.create(**DONE, stream=True))
+
+
+@pytest.mark.real
+def test_clients_that_leave_stop_their_generation(ar_server, reference, smollm2):
+    def completion_tokens() -> int:
+        metrics = httpx.get(ar_server + "/metrics").text
+        return int(next(line.split()[1] for line in metrics.splitlines()
+                        if line.startswith("treeflash_completion_tokens_total ")))
+
+    before = completion_tokens()
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 2000}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", ar_server + "/v1/chat/completions", json={**long, "stream": True}) as events:
+            data = (line for line in events.iter_lines() if line.startswith("data:"))
+            assert all(next(data) for _ in range(3))  # three chunks read, then the client leaves
+        with pytest.raises(httpx.ReadTimeout):  # a non-streamed client that gives up
+            http.post(ar_server + "/v1/chat/completions", json=long, timeout=1.5)
+    answer = client(ar_server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS)
+    assert answer.choices[0].text == smollm2.decode(reference["completion"][1])
+    assert completion_tokens() - before < 2 * 400 + TOKENS  # neither ran its 2000 tokens
+
+
+@pytest.mark.real
+def test_metrics_count_what_was_served(ar_server, reference):
+    def scrape() -> dict[str, float]:
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in httpx.get(ar_server + "/metrics").text.splitlines() if not line.startswith("#")}
+
+    before = scrape()
+    client(ar_server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS)
+    httpx.post(ar_server + "/v1/completions", json={**DONE, "n": 3})
+    after = scrape()
+    assert after["treeflash_prompt_tokens_total"] - before["treeflash_prompt_tokens_total"] \
+        == len(reference["completion"][0])
+    assert after["treeflash_completion_tokens_total"] - before["treeflash_completion_tokens_total"] == TOKENS
+    assert after['treeflash_requests_total{code="400"}'] - before.get('treeflash_requests_total{code="400"}', 0) == 1
+    assert after['treeflash_requests_total{code="200"}'] > before['treeflash_requests_total{code="200"}']
+    assert after["treeflash_tau_count"] == before["treeflash_tau_count"] + 1 and after["treeflash_queue_depth"] == 0
+    assert after['treeflash_tau_bucket{le="1.0"}'] == after["treeflash_tau_count"]  # ar: tau 1 exactly
+    assert after["treeflash_time_per_output_token_seconds_count"] == after["treeflash_tau_count"]
+
+
+@pytest.mark.real
+def test_shutdown_finishes_the_request_in_flight(smollm2, reference):
+    with serving(smollm2) as (url, server):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}) as events:
+            lines = events.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            server.should_exit = True  # what uvicorn does on SIGTERM
+            rest = [line for line in lines if line.startswith("data:")]
+    texts = [json.loads(line[5:])["choices"][0]["text"] for line in [first, *rest[:-1]]]
+    assert rest[-1] == "data: [DONE]" and "".join(texts) == smollm2.decode(reference["completion"][1])
