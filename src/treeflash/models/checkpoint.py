@@ -17,12 +17,12 @@ class DrafterError(ValueError):
     """A drafter checkpoint that cannot be used (unreadable, or it does not fit the target)."""
 
 
-def save_checkpoint(model: nn.Module, config: dict, folder: str | Path, dtype: torch.dtype, prefix: str = "") -> None:
-    """The save_pretrained layout: config.json and model.safetensors (weights cast to `dtype`, names prefixed)."""
+def save_checkpoint(state: dict[str, torch.Tensor], config: dict, folder: str | Path, dtype: torch.dtype) -> None:
+    """The save_pretrained layout: config.json and model.safetensors (weights cast to `dtype`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {prefix + k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -9,6 +9,7 @@ those checkpoints load with `from_pretrained` too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -332,16 +333,25 @@ class DFlashDrafter(nn.Module):
         With `backbone` (the DFlash drafter folder this TreeFlash drafter was trained on, frozen), only the AR layer
         is saved, and the config points to the backbone (relative path, and the hash of its weights, checked on
         load): an adapter, as PEFT saves them."""
+        state = self.state_dict()
         if backbone is None and self.ar_layer is not None and self.config.published_treeflash:
-            return save_checkpoint(_PublishedTreeFlash(self), self.config.to_json(), folder, dtype)
+            published = {k.replace("ar_layer.", "ar_approximation.", 1) if k.startswith("ar_layer.")
+                         else "model." + k: v for k, v in state.items()}
+            return save_checkpoint(published, self.config.to_json(), folder, dtype)
         if backbone is None:  # DFlash, or a TreeFlash drafter the published layout cannot express
-            return save_checkpoint(self, self.config.to_json(), folder, dtype)
+            return save_checkpoint(state, self.config.to_json(), folder, dtype)
         if self.ar_layer is None:
             raise ValueError("only a TreeFlash drafter (with an AR layer) can be saved against a backbone")
         config = self.config.to_json()
         config["treeflash_config"]["backbone"] = os.path.relpath(Path(backbone).resolve(), Path(folder).resolve())
         config["treeflash_config"]["backbone_sha256"] = weights_digest(Path(backbone))
-        save_checkpoint(self.ar_layer, config, folder, dtype, prefix="ar_layer.")
+        save_checkpoint({k: v for k, v in state.items() if k.startswith("ar_layer.")}, config, folder, dtype)
+
+    def save_dflash(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """The DFlash drafter alone (of a TreeFlash drafter: its backbone), in the published DFlash format."""
+        config = dataclasses.replace(self.config, ar_layer=None).to_json()
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("ar_layer.")}
+        save_checkpoint(state, config, folder, dtype)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
@@ -387,19 +397,6 @@ class DFlashDrafter(nn.Module):
         load_strict(model.ar_layer, {k.removeprefix("ar_layer."): v for k, v in state.items()}, str(folder))
         model.backbone_folder = backbone
         return model.to(dtype).eval()
-
-
-class _PublishedTreeFlash(nn.Module):
-    """The published TreeFlash parameter names: the DFlash backbone as `model`, the AR layer as
-    `ar_approximation` (a view for saving; it shares the drafter's tensors)."""
-
-    def __init__(self, drafter: DFlashDrafter):
-        super().__init__()
-        self.model = nn.Module()
-        for name, child in drafter.named_children():
-            if name != "ar_layer":
-                self.model.add_module(name, child)
-        self.ar_approximation = drafter.ar_layer
 
 
 def _current_ar_layer(state: dict[str, torch.Tensor], final_norm: torch.Tensor | None) -> dict[str, torch.Tensor]:

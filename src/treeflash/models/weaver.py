@@ -203,7 +203,7 @@ class Weaver(nn.Module):
 
     # ---- save / load -------------------------------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        save_checkpoint(self, {"architectures": ["Weaver"], **asdict(self.config)}, folder, dtype)
+        save_checkpoint(self.state_dict(), {"architectures": ["Weaver"], **asdict(self.config)}, folder, dtype)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32,

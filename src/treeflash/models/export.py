@@ -1,0 +1,83 @@
+"""`treeflash export DRAFTER --to DIR`: a drafter trained here, as a self-contained folder other engines load.
+
+DIR holds the DFlash drafter in the published DFlash format (what SGLang's and vLLM's `dflash` method, llama.cpp's
+DFlash support and the reference `dflash` package read), a README with the command lines that serve it, and, for a
+TreeFlash drafter, `treeflash/` in the published TreeFlash layout. The target's embedding and LM head are never
+copied: every engine uses the target's own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import __version__
+from ..target import hub_id
+from .checkpoint import DrafterError
+from .dflash import DFlashDrafter
+
+TREEFLASH_DIR = "treeflash"
+
+
+def export_drafter(source: str | Path, out: str | Path, target: str) -> dict:
+    """Write `source` (a DFlash or TreeFlash drafter folder, adapters included) to `out`; returns a summary."""
+    drafter = DFlashDrafter.from_pretrained(source)
+    c = drafter.config
+    if c.mask_token_id is None:
+        raise DrafterError(f"{source} has a learned mask embedding, which the published format cannot hold: train "
+                           "it again with `treeflash train dflash` (it picks a mask token id)")
+    out = Path(out)
+    drafter.save_dflash(out)
+    treeflash = None
+    if drafter.ar_layer is not None and c.published_treeflash:
+        drafter.save_pretrained(out / TREEFLASH_DIR)
+        treeflash = f"{TREEFLASH_DIR}/"
+    elif drafter.ar_layer is not None:
+        treeflash = f"not written: the published TreeFlash layout cannot express its AR layer {c.ar_layer}"
+    summary = {"source": str(source), "out": str(out), "target": hub_id(target), "block_size": c.block_size,
+               "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids, "treeflash": treeflash,
+               "gguf": "not written: llama.cpp's GGUF tools (gguf 0.19) define no DFlash architecture yet"}
+    (out / "README.md").write_text(_readme(summary))
+    return summary
+
+
+def _readme(s: dict) -> str:
+    out, target, g = Path(s["out"]).resolve(), s["target"], s["block_size"]
+    treeflash = (f"- `{s['treeflash']}`: the TreeFlash drafter in the layout of the public TreeFlash code "
+                 f"(ETH-DISCO/TreeFlash: `TreeFlashDraftModel.from_pretrained`)." if s["treeflash"] == "treeflash/"
+                 else f"- TreeFlash: {s['treeflash']}." if s["treeflash"] else "")
+    return f"""# A DFlash drafter for {target}
+
+Exported by `treeflash export` (treeflash {__version__}) from `{s['source']}`, in the published DFlash format:
+Qwen3-style draft layers, `dflash_config` = block size {g}, mask token id {s['mask_token_id']} (a token of the
+target's vocabulary, embedded by the target's own row), target layers {s['target_layer_ids']}. The target's
+embedding and LM head are not included: every engine uses the target's own.
+
+{treeflash}
+- GGUF: {s['gguf']}.
+
+## Serve it
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH \\
+    --speculative-draft-model-path {out} --speculative-num-draft-tokens {g}
+```
+
+vLLM:
+
+```bash
+vllm serve {target} --speculative-config '{json.dumps({"method": "dflash", "model": str(out),
+                                                       "num_speculative_tokens": g - 1})}'
+```
+
+treeflash (chain, tree, or the OpenAI-compatible server):
+
+```bash
+treeflash generate "Hello" --target {target} --drafter {out} --method ddtree
+treeflash serve --target {target} --drafter {out} --method ddtree
+```
+
+The reference implementation (`pip install dflash`): `DFlashDraftModel.from_pretrained("{out}")`.
+"""
