@@ -48,25 +48,31 @@ def test_policy_keeps_the_prefix_that_pays():
 
 
 def test_policy_stops_drafting_when_it_does_not_pay_and_probes_again():
+    """Probes that mislead (one drafted round, then AR again) come ever more rarely, up to the cap; a drafting
+    stretch that lasts brings the probes back to the minimum interval."""
     policy = Policy(costs(100.0), 8)
     tree = DraftTree.chain(0, [1, 2], probs=[0.5, 0.5])
-    policy.choose(tree)
-    policy.observe(DraftTree.chain(0), [0], 1, draft_s=0.005, verify_s=0.01, drafted=True)
-    decisions = []
-    for _ in range(20):
+
+    def round_(force_gain: float | None = None) -> bool:
         drafted = policy.should_draft()
-        decisions.append(drafted)
         if drafted:
             policy.choose(tree)
+            if force_gain is not None:
+                policy.gain = force_gain
         policy.observe(DraftTree.chain(0), [0], 1, 0.005 if drafted else 0.0, 0.01, drafted)
+        return drafted
+
+    assert round_()  # no data yet: draft
+    decisions = [round_() for _ in range(200)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    gaps = [b - a - 1 for a, b in zip([-1] + probes, probes)]  # AR rounds before each probe
     first, cap = Policy.PROBE_EVERY
-    assert decisions[:first] == [False] * first and decisions[first]  # a probe after `first` AR rounds
-    second = first + 1 + 2 * first  # then after twice as many: the interval doubles
-    assert decisions[first + 1:second] == [False] * (2 * first) and decisions[second]
-    while policy.probe_every < cap:
-        drafted = policy.should_draft()
-        policy.observe(DraftTree.chain(0), [0], 1, 0.0, 0.01, drafted)
-    assert policy.probe_every == cap  # ... up to the cap
+    assert gaps[:5] == [2 * first, 4 * first, 8 * first, cap, cap]  # each misleading probe doubles the interval
+    policy.gain = 10.0  # the text became easy: a long stretch where drafting pays
+    for _ in range(cap):
+        assert round_(force_gain=10.0)
+    policy.gain = 0.0  # then it stops paying: probes come early again
+    assert not round_() and policy.probe_every == first
 
 
 def test_a_probe_that_pays_resumes_drafting_at_once():

@@ -122,10 +122,10 @@ class Calibration:
 class Policy:
     """The per-(target, drafter) state of cost-aware speculation; `max_budget` caps the trees it drafts."""
 
-    # AR rounds before drafting again to check: doubles while drafting does not pay. A probe costs about one
-    # drafting time, so even every 32 rounds it costs under 2 % where drafting never pays, and a text that becomes
-    # easy is found again within 32 tokens
-    PROBE_EVERY = (4, 32)
+    # AR rounds before drafting again to check. The interval doubles each time drafting stops paying after a short
+    # stretch (a probe that misled), and starts again from the minimum after a stretch at least as long as it: a
+    # text that became easy is found within a few tokens, one that never pays costs a probe every 64 rounds (< 1 %)
+    PROBE_EVERY = (4, 64)
 
     def __init__(self, costs: VerifyCosts, max_budget: int):
         self.costs, self.max_budget = costs, max_budget
@@ -134,6 +134,7 @@ class Policy:
         self.gain: float | None = None  # EMA of a drafted round's predicted gain over an AR step, in tokens
         self.tokens, self.seconds = 1.0, costs(1)  # EMAs whose ratio is λ, the achieved tokens per second
         self.skipped = 0  # AR rounds since the last drafting round
+        self.stretch = 0  # drafting rounds in a row
         self.probe_every = self.PROBE_EVERY[0]
 
     @property
@@ -143,13 +144,8 @@ class Policy:
     def should_draft(self) -> bool:
         if self.gain is None or self.draft_s is None:
             return True
-        if self.gain > self.rate * self.draft_s:
-            self.probe_every = self.PROBE_EVERY[0]
-            return True
-        if self.skipped >= self.probe_every:  # a probe: the text may have become easier to draft
-            self.probe_every = min(2 * self.probe_every, self.PROBE_EVERY[1])
-            return True
-        return False
+        # drafting pays, or a probe: the text may have become easier to draft
+        return self.gain > self.rate * self.draft_s or self.skipped >= self.probe_every
 
     def choose(self, tree: DraftTree) -> DraftTree:
         """The prefix of `tree` that maximises E[committed tokens] - λ x verification time."""
@@ -170,8 +166,12 @@ class Policy:
         if drafted:
             if not self.skipped or self.draft_s is None:  # after AR rounds it includes the context's catch-up
                 self.draft_s = _ema(self.draft_s, draft_s)
-            self.skipped = 0
+            self.skipped, self.stretch = 0, self.stretch + 1
         else:
+            if self.stretch:  # drafting just stopped paying: was it a real stretch or a misleading probe?
+                short = self.stretch < self.probe_every
+                self.probe_every = min(2 * self.probe_every, self.PROBE_EVERY[1]) if short else self.PROBE_EVERY[0]
+                self.stretch = 0
             self.skipped += 1
         self.tokens = _ema(self.tokens, committed)
         self.seconds = _ema(self.seconds, draft_s + verify_s)

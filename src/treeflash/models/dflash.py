@@ -364,9 +364,7 @@ class DFlashDrafter(nn.Module):
             return cls._from_adapter(folder, raw, dtype)
         model = cls(DFlashConfig.from_json(raw))
         if model.config.mask_token_id is None:
-            warnings.warn(f"the drafter in {folder} has a learned mask embedding instead of a mask token id: other "
-                          "engines cannot load it, and treeflash will stop reading it; train it again (`treeflash "
-                          "train dflash` picks a mask token)", FutureWarning, stacklevel=2)
+            _warn_learned_mask(folder)
         state = read_weights(folder)
         if any(k.startswith("model.") for k in state):  # the published TreeFlash layout: the backbone under model.
             state = {k.removeprefix("model.").replace("ar_approximation.", "ar_layer.", 1): v
@@ -410,6 +408,20 @@ def _current_ar_layer(state: dict[str, torch.Tensor], final_norm: torch.Tensor |
     rest = {k: v for k, v in state.items() if not k.startswith("ar_layer.")}
     return {**rest, **{"ar_layer." + k: v for k, v in from_legacy(old, final_norm).items()}}
 
+
+def _warn_learned_mask(folder: Path) -> None:
+    """The deprecation warning of the learned mask embedding, once per folder. Not for the drafters shipped inside
+    treeflash: their users cannot act on it (they are retrained in the published format with the next data)."""
+    folder = folder.resolve()
+    if folder in _warned or folder.parent == Path(__file__).resolve().parent.parent / "checkpoints":
+        return
+    _warned.add(folder)
+    warnings.warn(f"the drafter in {folder} has a learned mask embedding instead of a mask token id: other engines "
+                  "cannot load it, and treeflash will stop reading it; train it again (`treeflash train dflash` "
+                  "picks a mask token)", FutureWarning, stacklevel=3)
+
+
+_warned: set[Path] = set()
 
 RANKING_FILE = "token_ranking.json"
 
