@@ -149,6 +149,30 @@ def test_regen_is_batched_and_resumable(tmp_path, tiny_folder):  # noqa: F811
     assert len(list((tmp_path / "regen").glob("shard-*.jsonl"))) == 3
 
 
+def test_the_chat_dev_set_is_held_out(tmp_path, monkeypatch):
+    """A fixed 5 % of the ShareGPT prompts, by a seeded hash of their ids: never regenerated, never trained on
+    (even from folders written before the split), and what `--dataset chat-dev` reads."""
+    from treeflash.eval.datasets import is_chat_dev, load_prompts
+    from treeflash.train.data import load_regen, training_prompts
+
+    dev = [i for i in range(2000) if is_chat_dev(f"sharegpt/{i}")]
+    assert 80 <= len(dev) <= 120 and dev == [i for i in range(2000) if is_chat_dev(f"sharegpt/{i}")]
+    assert not any(is_chat_dev(f"gsm8k/{i}") for i in range(200))
+    data = tmp_path / "data"
+    (data / "prompts").mkdir(parents=True)
+    (data / "prompts" / "sharegpt_prompts.jsonl").write_text("".join(json.dumps({"prompt": f"chat {i}"}) + "\n"
+                                                                     for i in range(200)))
+    monkeypatch.setenv("TREEFLASH_DATA", str(data))
+    held_out = load_prompts("chat-dev")
+    assert held_out == [f"chat {i}" for i in dev if i < 200] and held_out
+    trained = training_prompts(data, ["sharegpt"])
+    assert len(trained) + len(held_out) == 200 and not set(p for _, p in trained) & set(held_out)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "shard-00000.jsonl").write_text("".join(
+        json.dumps({"id": f"sharegpt/{i}", "prompt_ids": [1], "response_ids": [2]}) + "\n" for i in range(200)))
+    assert {r["id"] for r in load_regen(tmp_path / "old")} == {i for i, _ in trained}
+
+
 def test_regen_samples_at_a_temperature_and_training_reads_several_folders(tmp_path, tiny_folder):  # noqa: F811
     data = tmp_path / "data"
     (data / "gsm8k").mkdir(parents=True)

@@ -152,7 +152,8 @@ def build_parser() -> Parser:
                        ("paired", "compare tree builders on one shared continuation (driven by the first "
                                   "variant): E[tau] of every variant's tree at every round, no speed")):
         b = sub.add_parser(name, help=text)
-        b.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits) or a .jsonl file")
+        b.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits), chat-dev (the ShareGPT "
+                       "prompts held out from training, read from $TREEFLASH_DATA or ../shared/data) or a .jsonl file")
         b.add_argument("--field", default=None, help="prompt field of a .jsonl file "
                        "(default: the first of prompt, question, problem, text, turns)")
         b.add_argument("--limit", type=_positive_int, default=10, help="number of prompts (10)")
@@ -170,7 +171,8 @@ def build_parser() -> Parser:
     _add_decoding_args(o)
 
     ds = sub.add_parser("dist", help="per-depth TVD and top-k coverage of the drafter vs the target")
-    ds.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits) or a .jsonl file")
+    ds.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits), chat-dev (the ShareGPT "
+                       "prompts held out from training, read from $TREEFLASH_DATA or ../shared/data) or a .jsonl file")
     ds.add_argument("--field", default=None)
     ds.add_argument("--limit", type=_positive_int, default=10)
     ds.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -532,7 +534,8 @@ def cmd_gdn_bench(args) -> None:
 def cmd_data(args) -> None:
     from pathlib import Path
 
-    from .train.data import default_data_dir, regenerate, training_prompts
+    from .eval.datasets import default_data_dir
+    from .train.data import regenerate, training_prompts
 
     if args.data_command == "rank":
         return cmd_rank(args)

@@ -1,8 +1,10 @@
-"""Evaluation prompts: the built-in test splits (GSM8K, HumanEval, MBPP) or any JSONL file."""
+"""Evaluation prompts: the built-in test splits (GSM8K, HumanEval, MBPP), the chat dev set, or any JSONL file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
@@ -29,6 +31,31 @@ BUILTIN = {
 }
 
 
+SHAREGPT = "prompts/sharegpt_prompts.jsonl"  # under the data folder
+CHAT_DEV_SHARE = 0.05
+
+
+def default_data_dir() -> Path:
+    """The training prompt sets (not shipped): $TREEFLASH_DATA, else ../shared/data."""
+    return Path(os.environ.get("TREEFLASH_DATA", "../shared/data"))
+
+
+def is_chat_dev(sample_id: str) -> bool:
+    """The chat dev set: a fixed 5 % of the ShareGPT prompts (ids "sharegpt/ROW"), chosen by a seeded hash of the
+    id, that training never reads (`train.data` skips them) and `--dataset chat-dev` measures on."""
+    if not sample_id.startswith("sharegpt/"):
+        return False
+    digest = hashlib.sha256(f"treeflash chat-dev 0:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < CHAT_DEV_SHARE * 2 ** 64
+
+
+def chat_dev_prompts(data_dir: Path | None = None) -> list[str]:
+    path = (data_dir or default_data_dir()) / SHAREGPT
+    if not path.is_file():
+        raise DatasetError(f"chat-dev reads the ShareGPT prompts at {path}: not found (set TREEFLASH_DATA)")
+    return [row["prompt"] for i, row in enumerate(read_jsonl(path)) if is_chat_dev(f"sharegpt/{row.get('id', i)}")]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -42,14 +69,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def load_prompts(dataset: str, field: str | None = None, limit: int | None = None) -> list[str]:
-    """Prompts of a built-in dataset (its test split) or of a JSONL file, in file order."""
-    if dataset in BUILTIN:
+    """Prompts of a built-in dataset (its test split), of the chat dev set or of a JSONL file, in file order."""
+    if dataset == "chat-dev":
+        prompts = chat_dev_prompts()
+    elif dataset in BUILTIN:
         filename, to_prompt = BUILTIN[dataset]
         prompts = [to_prompt(row) for row in read_jsonl(DATA / filename)]
     else:
         path = Path(dataset)
         if path.suffix != ".jsonl":
-            raise DatasetError(f"unknown dataset {dataset!r}; choose {', '.join(BUILTIN)} or a .jsonl file")
+            raise DatasetError(f"unknown dataset {dataset!r}; choose {', '.join(BUILTIN)}, chat-dev or a .jsonl file")
         if not path.is_file():
             raise DatasetError(f"no such file: {path}")
         prompts = [_field(row, field, path, i) for i, row in enumerate(read_jsonl(path), 1)]

@@ -9,7 +9,6 @@ lands atomically as its own JSONL shard, and a rerun skips the prompt ids alread
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -17,14 +16,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..eval.datasets import DatasetError, read_jsonl
+from ..eval.datasets import SHAREGPT, DatasetError, is_chat_dev, read_jsonl
 from ..target import Target
 
 MBPP_TEST_IDS = range(11, 511)  # the MBPP test split: never trained on
-
-
-def default_data_dir() -> Path:
-    return Path(os.environ.get("TREEFLASH_DATA", "../shared/data"))
 
 
 def _mbpp_prompt(row: dict) -> str:
@@ -36,8 +31,7 @@ SOURCES = {
     "gsm8k": ("gsm8k/train.jsonl", lambda i, r: i, lambda r: r["question"], lambda r: True),
     "mbpp": ("mbpp/mbpp.jsonl", lambda i, r: r["task_id"], _mbpp_prompt,
              lambda r: r["task_id"] not in MBPP_TEST_IDS),
-    "sharegpt": ("prompts/sharegpt_prompts.jsonl", lambda i, r: r.get("id", i), lambda r: r["prompt"],
-                 lambda r: True),
+    "sharegpt": (SHAREGPT, lambda i, r: r.get("id", i), lambda r: r["prompt"], lambda r: True),
     "code_alpaca": ("prompts/code_alpaca_2k_prompts.jsonl", lambda i, r: i, lambda r: r["prompt"], lambda r: True),
 }
 
@@ -51,7 +45,8 @@ def training_prompts(data_dir: Path, sources: list[str]) -> list[tuple[str, str]
         path, row_id, prompt, keep = SOURCES[name]
         if not (data_dir / path).is_file():
             raise DatasetError(f"no such file: {data_dir / path} (set --data-dir or TREEFLASH_DATA)")
-        out += [(f"{name}/{row_id(i, r)}", prompt(r)) for i, r in enumerate(read_jsonl(data_dir / path)) if keep(r)]
+        rows = [(f"{name}/{row_id(i, r)}", prompt(r)) for i, r in enumerate(read_jsonl(data_dir / path)) if keep(r)]
+        out += [(i, p) for i, p in rows if not is_chat_dev(i)]  # the chat dev set is never trained on
     return out
 
 
@@ -133,7 +128,8 @@ def load_regen(data_dirs: str | Path) -> list[dict]:
         found = [row for shard in sorted(Path(data_dir).glob("shard-*.jsonl")) for row in read_jsonl(shard)]
         if not found:
             raise DatasetError(f"no regenerated data in {data_dir} (run `treeflash data regen` first)")
-        rows += sorted(found, key=lambda r: r["id"])
+        # answers of chat-dev prompts (folders made before the split existed) are left out: it stays held out
+        rows += sorted((r for r in found if not is_chat_dev(r["id"])), key=lambda r: r["id"])
     return rows
 
 
