@@ -147,6 +147,12 @@ def test_regen_is_batched_and_resumable(tmp_path, tiny_folder):  # noqa: F811
     assert all(1 <= len(r["response_ids"]) <= 5 for r in rows)
     assert main(args) == 0  # nothing left to do
     assert len(list((tmp_path / "regen").glob("shard-*.jsonl"))) == 3
+    out = tmp_path / "manifest.json"  # what the folder holds and which runs made it
+    assert main(["data", "manifest", str(tmp_path / "regen"), "--out", str(out)]) == 0
+    held = json.loads(out.read_text())["regen"]
+    assert held["answers"] == 5 and held["by_source"]["gsm8k T=0"]["answers"] == 5
+    assert held["by_source"]["gsm8k T=0"]["tokens"] == sum(len(r["response_ids"]) for r in rows)
+    assert [r["prompts"] for r in held["runs"]] == [5, 0] and all(len(r["commit"]) == 40 for r in held["runs"])
 
 
 def test_the_chat_dev_set_is_held_out(tmp_path, monkeypatch):

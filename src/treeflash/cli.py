@@ -226,6 +226,11 @@ def build_parser() -> Parser:
     rk.add_argument("--size", type=int, default=None,
                     help="also set draft_vocab_size = N in its config.json (0: the whole vocabulary)")
 
+    mf = data.add_parser("manifest", help="answers and tokens per source in regenerated folders, and the runs and "
+                         "commits that made them (JSON; commit it beside the drafters trained on them)")
+    mf.add_argument("data", help="folder(s) written by `treeflash data regen` (commas)")
+    mf.add_argument("--out", default=None, help="also write the JSON here")
+
     ex = sub.add_parser("export", help="write a drafter in the published DFlash (and TreeFlash) format, with the "
                         "command lines that serve it in SGLang and vLLM")
     ex.add_argument("drafter", help="a DFlash or TreeFlash drafter folder (written by `treeflash train`)")
@@ -535,10 +540,15 @@ def cmd_data(args) -> None:
     from pathlib import Path
 
     from .eval.datasets import default_data_dir
-    from .train.data import regenerate, training_prompts
+    from .train.data import manifest, record_run, regenerate, training_prompts
 
     if args.data_command == "rank":
         return cmd_rank(args)
+    if args.data_command == "manifest":
+        text = json.dumps(manifest(args.data), indent=2)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return print(text)
 
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     prompts = training_prompts(data_dir, [s.strip() for s in args.sources.split(",") if s.strip()])
@@ -546,6 +556,9 @@ def cmd_data(args) -> None:
         prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
     report = regenerate(_load_target(args), prompts, Path(args.out), args.max_new_tokens, args.batch_size,
                         seed=args.seed, temperature=args.temperature)
+    settings = {k: getattr(args, k) for k in ("sources", "limit", "batch_size", "max_new_tokens", "target", "dtype",
+                                              "seed", "temperature")}
+    record_run(Path(args.out), settings, report)
     print(json.dumps(report))
 
 

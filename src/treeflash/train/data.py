@@ -133,6 +133,46 @@ def load_regen(data_dirs: str | Path) -> list[dict]:
     return rows
 
 
+RUNS_FILE = "runs.jsonl"  # one line per `data regen` run into a folder: its settings and the commit that ran it
+
+
+def record_run(out_dir: Path, settings: dict, report: dict) -> None:
+    """Append a regen run to the folder's runs.jsonl: what made its shards, for the manifest."""
+    with open(Path(out_dir) / RUNS_FILE, "a") as f:
+        f.write(json.dumps({"commit": source_commit(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                            **settings, **report}) + "\n")
+
+
+def source_commit() -> str | None:
+    """The git commit of the treeflash source that runs, when it runs from a checkout."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def manifest(data_dirs: str) -> dict:
+    """What regenerated folders hold, to commit beside the drafters trained on them: answers and answer tokens
+    per source and temperature (chat-dev answers excluded, as training excludes them), and the runs that made
+    them (runs.jsonl: commits and settings)."""
+    folders = {}
+    for data_dir in data_dirs.split(","):
+        counts: dict[str, dict[str, int]] = {}
+        for row in load_regen(data_dir):
+            key = f"{row['id'].split('/')[0]} T={row.get('temperature', 0.0):g}"
+            c = counts.setdefault(key, {"answers": 0, "tokens": 0})
+            c["answers"] += 1
+            c["tokens"] += len(row["response_ids"])
+        runs_file = Path(data_dir) / RUNS_FILE
+        runs = read_jsonl(runs_file) if runs_file.is_file() else []
+        folders[Path(data_dir).name] = {"answers": sum(c["answers"] for c in counts.values()),
+                                        "by_source": dict(sorted(counts.items())), "runs": runs}
+    return folders
+
+
 def token_ranking(rows: list[dict]) -> tuple[list[int], dict]:
     """Token ids by how often they occur in the regenerated answers (most frequent first; ties by id), and the
     counts behind it: FR-Spec's draft vocabulary is a prefix of this list."""
