@@ -554,10 +554,11 @@ def cmd_data(args) -> None:
     prompts = training_prompts(data_dir, [s.strip() for s in args.sources.split(",") if s.strip()])
     if args.limit:
         prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
-    report = regenerate(_load_target(args), prompts, Path(args.out), args.max_new_tokens, args.batch_size,
-                        seed=args.seed, temperature=args.temperature)
     settings = {k: getattr(args, k) for k in ("sources", "limit", "batch_size", "max_new_tokens", "target", "dtype",
                                               "seed", "temperature")}
+    record_run(Path(args.out), settings)
+    report = regenerate(_load_target(args), prompts, Path(args.out), args.max_new_tokens, args.batch_size,
+                        seed=args.seed, temperature=args.temperature)
     record_run(Path(args.out), settings, report)
     print(json.dumps(report))
 

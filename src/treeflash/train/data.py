@@ -136,11 +136,14 @@ def load_regen(data_dirs: str | Path) -> list[dict]:
 RUNS_FILE = "runs.jsonl"  # one line per `data regen` run into a folder: its settings and the commit that ran it
 
 
-def record_run(out_dir: Path, settings: dict, report: dict) -> None:
-    """Append a regen run to the folder's runs.jsonl: what made its shards, for the manifest."""
-    with open(Path(out_dir) / RUNS_FILE, "a") as f:
-        f.write(json.dumps({"commit": source_commit(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                            **settings, **report}) + "\n")
+def record_run(out_dir: Path, settings: dict, report: dict | None = None) -> None:
+    """Append a regen run to the folder's runs.jsonl, when it starts and when it ends (an interrupted run leaves
+    its start): what made the shards, for the manifest."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    event = {"event": "finished", **report} if report is not None else {"event": "started"}
+    with open(out_dir / RUNS_FILE, "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": source_commit(), **event,
+                            **settings}) + "\n")
 
 
 def source_commit() -> str | None:
