@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from treeflash import generate
 from treeflash.drafters import BlockDrafter, make_drafter
 from treeflash.models.dflash import ContextCache, DFlashConfig, DFlashDrafter, DrafterError, tap_layers
-from treeflash.trees import best_first_tree, chain_tree
+from treeflash.trees import best_first_tree, chain_tree, top_marginals
 
 from conftest import tiny_target
 from test_lossless import repetitive_prompt
@@ -137,8 +137,8 @@ def test_context_cache_grows():
 
 def test_tree_builders():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.9, 0.05, 0.05]]))
-    assert chain_tree(7, logits, 2).tokens == (7, 0, 0)
-    tree = best_first_tree(7, logits, 4)
+    assert chain_tree(7, *top_marginals(logits, 1), 2).tokens == (7, 0, 0)
+    tree = best_first_tree(7, *top_marginals(logits, 4), 4)
     # best prefixes: [0] .6, [0,0] .3, [1] .3, [0,0,0] .27
     paths = {tuple(tree.tokens[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
     assert paths == {(0,), (0, 0), (1,), (0, 0, 0)}
@@ -182,6 +182,12 @@ def test_draft_vocabulary_scores_only_its_tokens(tmp_path):
     others = torch.ones(96, dtype=torch.bool)
     others[keep] = False
     assert torch.isinf(b[:, others]).all()
+    for drafter in (full, small):  # the fast top-k tables equal the plain softmax-then-top-k of the full logits
+        logits, probs, ids = drafter.model.top_tokens(h, 5)
+        ref_probs, ref_ids = top_marginals(drafter.model.logits(h), 5)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(logits, drafter.model.logits(h).float().gather(-1, ids))
     prompt = repetitive_prompt(random.Random(2), 96)
     ar = generate(target, make_drafter("ar"), prompt, 30).tokens
     assert generate(target, small, prompt, 30, budget=8).tokens == ar

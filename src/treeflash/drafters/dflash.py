@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..clock import now
 from ..models.dflash import ContextCache, DFlashDrafter, DrafterError, draft_vocab
@@ -44,8 +45,12 @@ def default_drafter_path(target_name: str, kind: str) -> Path:
 
 
 def marginal_tree(method: str):
-    build = {"dflash": chain_tree, "ddtree": best_first_tree}[method]
-    return lambda model, tokens, h, budget: build(tokens[-1], model.logits(h).float(), budget)
+    build, width = {"dflash": (chain_tree, lambda budget: 1), "ddtree": (best_first_tree, lambda budget: budget)}[method]
+
+    def tree(model, tokens, h, budget):
+        _, probs, ids = model.top_tokens(h, width(budget))
+        return build(tokens[-1], probs, ids, budget)
+    return tree
 
 
 @torch.no_grad()
@@ -60,8 +65,7 @@ def conditional_tables(model: DFlashDrafter, tokens: list[int], h: torch.Tensor,
     because conditioning sharpens: given its parent, a token can take more mass than any marginal gives the M.
     """
     D, M = h.shape[0], top_m
-    marginal = torch.softmax(model.logits(h).float(), dim=-1)
-    probs, wide = marginal.topk(min(max(M, top_n), marginal.shape[-1]), dim=-1)  # [D, N]
+    _, probs, wide = model.top_tokens(h, max(M, top_n))  # [D, N]
     cand = wide[:, :M]
     prev = torch.cat([torch.full((1, M), tokens[-1], device=cand.device), cand[:-1]])  # [D, M] previous tokens
     p = model.ar_layer.prev_tokens
@@ -75,7 +79,7 @@ def conditional_tables(model: DFlashDrafter, tokens: list[int], h: torch.Tensor,
     embed = model.embed(prev).to(h.dtype)  # [D, M, p, H]
     states = model.ar_layer(h[:, None, :].expand(D, M, -1), model.norm(h)[:, None, :].expand(D, M, -1),
                             embed)  # [D, M, H]: one batched call
-    rows = model.lm_head.weight[wide]  # [D, N, H]: the LM-head rows of each depth's top N
+    rows = F.embedding(wide, model.lm_head.weight)  # [D, N, H]: the LM-head rows of each depth's top N (a gather)
     logits = torch.einsum("djh,dnh->djn", model.norm(states).to(rows.dtype), rows).float()
     return cand, torch.softmax(logits, dim=-1)[..., :M] * probs.sum(-1)[:, None, None]
 

@@ -27,7 +27,7 @@ class WeaverRound:
 
     def __init__(self, weaver: Weaver, h: torch.Tensor, ctx: torch.Tensor, capacity: int):
         self.weaver, self.h, self.ctx = weaver, h, ctx
-        self.cand_logits, self.candidates = weaver.drafter.logits(h).float().topk(weaver.config.top_k, dim=-1)
+        self.cand_logits, _, self.candidates = weaver.drafter.top_tokens(h, weaver.config.top_k)
         self.marginals = torch.softmax(self.cand_logits, dim=-1)  # a fresh Weaver's output, for nodes it won't expand
         self.cache: BranchCache = weaver.new_cache(capacity)
         self.calls = 0

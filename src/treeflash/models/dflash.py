@@ -287,10 +287,10 @@ class DFlashDrafter(nn.Module):
             h = self.ar_layer(h, self.norm(h), self.embed(prev_tokens).to(h.dtype))
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, then the target's LM head, in the drafter's dtype: a bf16 drafter over an fp32 target
-        multiplies by a bf16 copy of the head (made once), the costliest product of a drafting round. With a draft
-        vocabulary only its rows are multiplied, and every other token gets -inf."""
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, then the target's LM head on the scored tokens (the draft vocabulary, else all) [..., S], in
+        the drafter's dtype: a bf16 drafter over an fp32 target multiplies by a bf16 copy of the head's rows (made
+        once), the costliest product of a drafting round."""
         x = self.norm(h).to(self.fc.weight.dtype)
         head = self.lm_head
         if head.weight.dtype == x.dtype and self.draft_vocab is None:
@@ -299,11 +299,26 @@ class DFlashDrafter(nn.Module):
             rows = head.weight.detach() if self.draft_vocab is None else head.weight.detach()[self.draft_vocab]
             self._head_cast = (head.weight, rows.to(x.dtype).contiguous())
         bias = getattr(head, "bias", None)
+        if bias is not None and self.draft_vocab is not None:
+            bias = bias[self.draft_vocab]
+        return F.linear(x, self._head_cast[1], bias)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary [..., V]: `scores`, with -inf for the tokens outside the draft vocabulary."""
+        scores = self.scores(h)
         if self.draft_vocab is None:
-            return F.linear(x, self._head_cast[1], bias)
-        scores = F.linear(x, self._head_cast[1], None if bias is None else bias[self.draft_vocab])
+            return scores
         out = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.draft_vocab, scores)
+
+    def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The k most likely tokens of each state's marginal, most likely first: (logits, probabilities, token ids),
+        each [..., k]. What `torch.softmax(logits(h)).topk(k)` gives, without a softmax or a top-k over the whole
+        vocabulary (7 ms on a 2-core CPU at 15 x 49,152; 0.7 ms over a 4,096-token draft vocabulary)."""
+        scores = self.scores(h).float()
+        logits, index = scores.topk(min(k, scores.shape[-1]), dim=-1)
+        probs = (logits - scores.logsumexp(-1, keepdim=True)).exp()
+        return logits, probs, index if self.draft_vocab is None else self.draft_vocab[index]
 
     def use_draft_vocab(self, token_ids: torch.Tensor | None) -> "DFlashDrafter":
         """Score only these tokens at inference (None: all). Never for training: the losses need every token."""
