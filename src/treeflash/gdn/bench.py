@@ -10,7 +10,6 @@ deferred commit: the (k, U, G) stash vs one full state per node.
 from __future__ import annotations
 
 import heapq
-import json
 import statistics
 import time
 from typing import Callable
