@@ -509,9 +509,8 @@ def cmd_dist(args) -> None:
     drafter = DFlashDrafter.from_pretrained(path, dtype=target.model.dtype).attach(target.model).to(target.device)
     weaver, weaver_path = None, args.weaver or default_weaver_path(args.target, args.drafter)
     if weaver_path:
-        # the Weaver runs on the DFlash backbone: checked when the drafter is one, or an AR layer over one
-        backbone = drafter.backbone_folder or (path if drafter.ar_layer is None else None)
-        weaver = Weaver.from_pretrained(weaver_path, target.model.dtype, backbone).attach(drafter).to(target.device)
+        weaver = Weaver.from_pretrained(weaver_path, target.model.dtype, drafter.dflash_folder(path))
+        weaver = weaver.attach(drafter).to(target.device)
     report = {"target": args.target, "drafter": str(path), "weaver": weaver_path and str(weaver_path),
               "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "seed": args.seed,

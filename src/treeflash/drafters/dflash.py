@@ -45,10 +45,10 @@ def default_drafter_path(target_name: str, kind: str) -> Path:
 
 
 def marginal_tree(method: str):
-    build, width = {"dflash": (chain_tree, lambda budget: 1), "ddtree": (best_first_tree, lambda budget: budget)}[method]
+    build = {"dflash": chain_tree, "ddtree": best_first_tree}[method]
 
     def tree(model, tokens, h, budget):
-        _, probs, ids = model.top_tokens(h, width(budget))
+        _, probs, ids = model.top_tokens(h, 1 if method == "dflash" else budget)  # the chain needs the argmax only
         return build(tokens[-1], probs, ids, budget)
     return tree
 

@@ -73,6 +73,6 @@ def load_weaver_drafter(target, drafter_path: str | Path | None, weaver_path: st
                                 "`treeflash train weaver` on this drafter)")
     drafter_path = drafter_path or default_drafter_path(target.name, "dflash")
     model = load_drafter_model(target, drafter_path, draft_vocab_size)
-    backbone = model.backbone_folder or drafter_path  # a TreeFlash adapter as --drafter: the DFlash it sits on
-    weaver = Weaver.from_pretrained(weaver_path, drafting_dtype(target.device), backbone=backbone).to(target.device)
+    weaver = Weaver.from_pretrained(weaver_path, drafting_dtype(target.device),
+                                    backbone=model.dflash_folder(drafter_path)).to(target.device)
     return WeaverDrafter(model, weaver, width)

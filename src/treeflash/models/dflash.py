@@ -340,6 +340,14 @@ class DFlashDrafter(nn.Module):
         """The DFlash marginals: logits [γ - 1, V] of the drafted positions."""
         return self.logits(self.draft_states(root, position, ctx_kv)).float()
 
+    def dflash_folder(self, folder: str | Path) -> Path | None:
+        """The folder of the DFlash drafter this one (loaded from `folder`) runs on, what a Weaver is checked
+        against: a TreeFlash adapter's backbone, a DFlash drafter's own folder, None for a TreeFlash drafter saved
+        whole (its DFlash weights are in no folder of their own)."""
+        if self.backbone_folder is not None:
+            return self.backbone_folder
+        return Path(folder) if self.ar_layer is None else None
+
     # ---- save / load -------------------------------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
                         backbone: str | Path | None = None) -> None:
