@@ -7,7 +7,7 @@ import torch
 
 from treeflash import DraftTree, Sampling, generate
 from treeflash.drafters import BlockDrafter, make_drafter
-from treeflash.speculation import Calibration, Policy, VerifyCosts, policy_for
+from treeflash.speculation import BatchCosts, Calibration, Policy, VerifyCosts, policy_for
 
 from conftest import OracleTreeDrafter, tiny_target
 from test_dflash import tiny_drafter
@@ -42,8 +42,8 @@ def test_calibration_learns_the_observed_acceptance():
 def test_policy_keeps_the_prefix_that_pays():
     tree = DraftTree.chain(0, list(range(1, 9)), probs=[0.9] * 8)
     cheap, dear = Policy(costs(0.01), 8), Policy(costs(100.0), 8)
-    assert cheap.choose(tree).size == 8  # verification almost free: every node pays
-    assert dear.choose(tree).size == 0  # each node costs ten AR steps: a plain AR step
+    assert cheap.choose([tree])[0].size == 8  # verification almost free: every node pays
+    assert dear.choose([tree])[0].size == 0  # each node costs ten AR steps: a plain AR step
     assert cheap.gain > 0 and dear.gain == 0
 
 
@@ -56,10 +56,10 @@ def test_policy_stops_drafting_when_it_does_not_pay_and_probes_again():
     def round_(force_gain: float | None = None) -> bool:
         drafted = policy.should_draft()
         if drafted:
-            policy.choose(tree)
+            policy.choose([tree])[0]
             if force_gain is not None:
                 policy.gain = force_gain
-        policy.observe(DraftTree.chain(0), [0], 1, 0.005 if drafted else 0.0, 0.01, drafted)
+        policy.observe([DraftTree.chain(0)], [[0]], 1, 0.005 if drafted else 0.0, 0.01, drafted)
         return drafted
 
     assert round_()  # no data yet: draft
@@ -81,10 +81,10 @@ def test_a_probe_that_pays_resumes_drafting_at_once():
     policy = Policy(costs(1.0), 8)
     policy.gain, policy.draft_s = 0.0, 0.005  # drafting stopped paying
     while not policy.should_draft():
-        policy.observe(DraftTree.chain(0), [0], 1, 0.0, 0.011, False)
+        policy.observe([DraftTree.chain(0)], [[0]], 1, 0.0, 0.011, False)
     easy = DraftTree.chain(0, list(range(1, 9)), probs=[0.99] * 8)
-    assert policy.choose(easy).size == 8 and policy.gain > policy.rate * policy.draft_s
-    policy.observe(easy, list(range(9)), 9, draft_s=0.5, verify_s=0.018, drafted=True)  # a slow catch-up
+    assert policy.choose([easy])[0].size == 8 and policy.gain > policy.rate * policy.draft_s
+    policy.observe([easy], [list(range(9))], 9, draft_s=0.5, verify_s=0.018, drafted=True)  # a slow catch-up
     assert policy.draft_s == 0.005 and policy.should_draft()
 
 
@@ -94,7 +94,7 @@ class ForcedPolicy:
     @staticmethod
     def install(target, drafter, per_token_ms: float) -> Policy:
         policy = policy_for(target, drafter, 16)
-        policy.costs = costs(per_token_ms)
+        policy.costs = BatchCosts({1: costs(per_token_ms)})
         policy.tokens, policy.seconds = 1.0, policy.costs(1)
         return policy
 

@@ -19,7 +19,7 @@ def cached_keys(target: Target) -> torch.Tensor:
     """[layers, kv_heads, positions, head_dim]: the keys the target holds (committed and pending)."""
     n = target.length + target.pending
     if target.fast:
-        return target.fast.k_cache[:, :, :n].clone()
+        return target.fast.cache.k[:, 0, :, :n].clone()
     return torch.stack([layer.keys[0, :, :n] for layer in target.cache.layers])
 
 
@@ -112,7 +112,7 @@ def test_static_runtime_equals_the_hf_reference(kind):
     """The fast path against the HF runtime on the same weights: prefill, tree verification, commit of a
     scattered path, decoding on (logits and taps), past the static cache's first capacity."""
     fast, ref = tiny_target(kind, runtime="static"), tiny_target(kind, runtime="hf")
-    fast.fast._allocate(8, keep=0)  # a small cache, so that it must grow mid-sequence
+    fast.fast.cache._allocate(8, keep=0)  # a small cache, so that it must grow mid-sequence
     rng = random.Random(1)
     vocab = fast.config.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(6)]

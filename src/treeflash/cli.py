@@ -163,6 +163,12 @@ def build_parser() -> Parser:
                        + "; default: those with a drafter shipped for the target)")
         b.add_argument("--out", default=None, help="write the results as JSON to this file")
         b.add_argument("--no-progress", action="store_true")
+        if name == "bench":
+            b.add_argument("--batch-size", type=_positive_ints, default=None, metavar="N[,M...]",
+                           help="decode the prompts N at a time (continuous batching) and report total tokens/s "
+                           "against batched ar and against batch size 1; a list such as 1,2,4,8 runs each")
+            b.add_argument("--repeats", type=_positive_int, default=1,
+                           help="with --batch-size: runs of the whole set per variant, interleaved (1)")
         _add_decoding_args(b, sweep=True, weavers=name == "paired", paired=name == "paired")
     o = sub.add_parser("overhead", help="engine cost on top of bare target forwards (AR round, 17-node tree)")
     o.add_argument("--context", type=_positive_int, default=200, help="cache length (200)")
@@ -430,6 +436,8 @@ def cmd_bench(args) -> None:
     target = _load_target(args)
     for p in prompts:
         _encode(target, p)
+    if args.batch_size:
+        return _batch_bench(args, target, prompts, sampling)
     started = time.time()
     methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
                         progress=not args.no_progress, drafter_path=args.drafter, weaver_path=args.weaver,
@@ -445,6 +453,35 @@ def cmd_bench(args) -> None:
           f"{target.runtime} runtime, {torch.get_num_threads()} threads)")
     print(format_table(methods))
     if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _batch_bench(args, target, prompts, sampling) -> None:
+    from .eval.batch_bench import format_batch_table, run_batch_bench
+    import torch
+
+    if len(args.tfm_width) > 1:
+        raise UsageError("--batch-size takes one --tfm-width")
+    skipped = [m for m in args.methods if m in ("hf", "hf-pld", "llamacpp")]
+    if skipped:
+        print(f"not batched, skipped: {', '.join(skipped)}")
+    started = time.time()
+    rows = run_batch_bench(target, prompts, args.methods, args.batch_size, args.budget, sampling,
+                           args.max_new_tokens, args.seed, progress=not args.no_progress, drafter_path=args.drafter,
+                           weaver_path=args.weaver, tfm_width=args.tfm_width[0], max_budget=args.max_budget,
+                           draft_vocab_size=args.draft_vocab, repeats=args.repeats)
+    dtype = str(target.dtype).removeprefix("torch.")
+    print(f"{args.dataset}: {len(prompts)} prompts, batch sizes {','.join(map(str, args.batch_size))}, budget "
+          f"{','.join(map(str, args.budget))} (max {args.max_budget}), T = {args.temperature}, {args.max_new_tokens} "
+          f"new tokens, target {args.target} ({dtype}, {torch.get_num_threads()} threads)")
+    print(format_batch_table(rows))
+    if args.out:
+        report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts),
+                  "batch_sizes": args.batch_size, "budgets": args.budget, "max_budget": args.max_budget,
+                  "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                  "max_new_tokens": args.max_new_tokens, "dtype": dtype, "repeats": args.repeats,
+                  "threads": torch.get_num_threads(), "seconds": time.time() - started, "variants": rows}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 

@@ -88,7 +88,7 @@ def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, bu
         tree = drafter.propose(seq.tokens, seq.features, min(policy.max_budget if policy else budget, room))
         seq.features = None
         if policy:
-            tree = policy.choose(tree)
+            tree = policy.choose([tree])[0]
     else:  # a plain AR step: the drafter's context catches up at its next call
         tree = DraftTree.chain(seq.tokens[-1])
     t1 = _now(target.device)
@@ -101,7 +101,7 @@ def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, bu
         seq.features = new_features if seq.features is None else torch.cat([seq.features, new_features])
     new = [tree.tokens[i] for i in path[1:]] + [bonus]
     if policy:
-        policy.observe(tree, path, len(new), t1 - t0, t2 - t1, drafted)
+        policy.observe([tree], [path], len(new), t1 - t0, t2 - t1, drafted)
     expected = len(new) if sampling.greedy else expected_accepted(tree, out.logits, sampling)  # not timed
     return new, tree, out.logits, Round(len(new), tree.size, t1 - t0, t2 - t1, expected)
 

@@ -41,20 +41,28 @@ class VerifyCosts:
     @torch.inference_mode()
     def measure(cls, target, max_tokens: int, context: int = 128, repeats: int = 3) -> "VerifyCosts":
         """Time verifications of random trees on a dummy context (it starts a sequence: call before prefill)."""
+        vocab = target.config.vocab_size
+        target.prefill(torch.randint(vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist())
+
+        def verify(tree: DraftTree) -> None:
+            target.verify(tree)
+            target.discard()  # every measurement sees the same context
+        return cls.timed(verify, target.device, vocab, max_tokens, repeats)
+
+    @classmethod
+    def timed(cls, verify, device, vocab: int, max_tokens: int, repeats: int = 3) -> "VerifyCosts":
+        """The best of `repeats` timings of `verify(tree)` on random bushy trees of each bucket's size."""
         sizes = [n for n in BUCKETS if n <= max_tokens] + [n for n in BUCKETS if n > max_tokens][:1]
         g = torch.Generator().manual_seed(0)
-        vocab = target.config.vocab_size
-        target.prefill(torch.randint(vocab, (context,), generator=g).tolist())
         best = {}
         for _ in range(repeats):
             for n in sizes:
                 # a bushy tree; siblings are at most 3 nodes apart, so their tokens i % vocab differ
                 parents = [-1] + [int(torch.randint(max(i - 3, 0), i, (), generator=g)) for i in range(1, n)]
                 tree = DraftTree.from_parents([i % vocab for i in range(n)], parents)
-                start = now(target.device)
-                target.verify(tree)
-                target.discard()  # every measurement sees the same context
-                best[n] = min(best.get(n, float("inf")), now(target.device) - start)
+                start = now(device)
+                verify(tree)
+                best[n] = min(best.get(n, float("inf")), now(device) - start)
         return cls(best)
 
     def __call__(self, n: int) -> float:
@@ -73,6 +81,30 @@ class VerifyCosts:
         i = min(range(len(self.sizes)), key=lambda j: abs(self.sizes[j] - n))
         scaled = seconds * self.seconds[i] / max(self(n), 1e-9)
         self.seconds[i] += rate * (scaled - self.seconds[i])
+
+
+class BatchCosts:
+    """`VerifyCosts` by batch size (B trees of n tokens each, padded to the largest, in one forward): measured at a
+    few batch sizes, linear in between, proportional beyond."""
+
+    def __init__(self, tables: dict[int, VerifyCosts]):
+        self.batches = sorted(tables)
+        self.tables = [tables[b] for b in self.batches]
+
+    def __call__(self, n: int, batch: int = 1) -> float:
+        i = bisect.bisect_left(self.batches, batch)
+        if i < len(self.batches) and self.batches[i] == batch:
+            return self.tables[i](n)
+        lo, hi = max(i - 1, 0), min(i, len(self.batches) - 1)
+        if lo == hi:
+            return self.tables[lo](n) * batch / self.batches[lo]
+        w = (batch - self.batches[lo]) / (self.batches[hi] - self.batches[lo])
+        return (1 - w) * self.tables[lo](n) + w * self.tables[hi](n)
+
+    def observe(self, n: int, seconds: float, batch: int = 1) -> None:
+        """Refresh the table of the nearest measured batch size (scaled to it)."""
+        i = min(range(len(self.batches)), key=lambda j: abs(self.batches[j] - batch))
+        self.tables[i].observe(n, seconds * self(n, self.batches[i]) / max(self(n, batch), 1e-9))
 
 
 class Calibration:
@@ -127,12 +159,13 @@ class Policy:
     # text that became easy is found within a few tokens, one that never pays costs a probe every 64 rounds (< 1 %)
     PROBE_EVERY = (4, 64)
 
-    def __init__(self, costs: VerifyCosts, max_budget: int):
-        self.costs, self.max_budget = costs, max_budget
+    def __init__(self, costs: VerifyCosts | BatchCosts, max_budget: int):
+        self.costs = costs if isinstance(costs, BatchCosts) else BatchCosts({1: costs})
+        self.max_budget = max_budget
         self.calibration = Calibration()
         self.draft_s: float | None = None  # EMA of the drafting time (forward + tree build)
         self.gain: float | None = None  # EMA of a drafted round's predicted gain over an AR step, in tokens
-        self.tokens, self.seconds = 1.0, costs(1)  # EMAs whose ratio is λ, the achieved tokens per second
+        self.tokens, self.seconds = 1.0, self.costs(1)  # EMAs whose ratio is λ, the achieved tokens per second
         self.skipped = 0  # AR rounds since the last drafting round
         self.stretch = 0  # drafting rounds in a row
         self.probe_every = self.PROBE_EVERY[0]
@@ -147,22 +180,29 @@ class Policy:
         # drafting pays, or a probe: the text may have become easier to draft
         return self.gain > self.rate * self.draft_s or self.skipped >= self.probe_every
 
-    def choose(self, tree: DraftTree) -> DraftTree:
-        """The prefix of `tree` that maximises E[committed tokens] - λ x verification time."""
-        values = self.calibration.node_values(tree)
-        expected = torch.cat([torch.ones(1), 1 + values.cumsum(0)])  # E(n) for n = 0..size
-        cost = torch.tensor([self.costs(n + 1) for n in range(tree.size + 1)])
+    def choose(self, trees: list[DraftTree]) -> list[DraftTree]:
+        """The prefixes of `trees` (one per sequence of a batch, verified in one forward, padded to the largest) that
+        maximise E[committed tokens] - λ x verification time. A batch shares one size n (each tree cut to n): the
+        forward's cost follows its largest tree."""
+        size = max(t.size for t in trees)
+        expected = torch.zeros(size + 1)  # E(n) for n = 0..size, summed over the batch
+        for tree in trees:
+            values = torch.cat([torch.ones(1), 1 + self.calibration.node_values(tree).cumsum(0)])
+            expected += torch.cat([values, values[-1].expand(size - tree.size)])
+        cost = torch.tensor([self.costs(n + 1, len(trees)) for n in range(size + 1)])
         net = expected - self.rate * cost
         n = int(net.argmax())
         gain = float(net[n] - net[0])
         # a probe after AR rounds judges the text as it is now: the average of the drafted rounds is stale
         self.gain = gain if self.skipped else _ema(self.gain, gain)
-        return tree.prefix(n)
+        return [tree.prefix(min(n, tree.size)) for tree in trees]
 
-    def observe(self, tree: DraftTree, path: list[int], committed: int, draft_s: float, verify_s: float,
-                drafted: bool) -> None:
-        self.costs.observe(len(tree), verify_s)
-        self.calibration.observe(tree, path)
+    def observe(self, trees: list[DraftTree], paths: list[list[int]], committed: int, draft_s: float,
+                verify_s: float, drafted: bool) -> None:
+        """One round of the batch: its trees, their accepted paths, the tokens committed in all, its times."""
+        self.costs.observe(max(len(t) for t in trees), verify_s, len(trees))
+        for tree, path in zip(trees, paths):
+            self.calibration.observe(tree, path)
         if drafted:
             if not self.skipped or self.draft_s is None:  # after AR rounds it includes the context's catch-up
                 self.draft_s = _ema(self.draft_s, draft_s)

@@ -284,7 +284,7 @@ class Target:
         if nodes != list(range(k)):
             index = torch.tensor(nodes, device=self.device) + start
             if self.fast:
-                self.fast.gather(start, index)
+                self.fast.cache.gather(0, start, index)
             for layer in self._kv_layers():  # none on the fast path
                 # move the accepted entries down to start..start+k; the copy on the right is made before writing
                 layer.keys[..., start:start + k, :] = layer.keys[..., index, :]

@@ -138,7 +138,11 @@ class BlockDrafter:
 
     @torch.no_grad()
     def propose(self, tokens, features, budget) -> DraftTree:
-        h = self.draft(tokens, features)
+        return self.tree(tokens, self.draft(tokens, features), budget)
+
+    @torch.no_grad()
+    def tree(self, tokens: list[int], h: torch.Tensor, budget: int) -> DraftTree:
+        """The round's tree from the drafter's states h [γ - 1, H] of the block after the root tokens[-1]."""
         if self.name == "treeflash":
             self.adapter_calls += 1  # its AR layer: one batched call whatever the budget
         return self.build(self.model, tokens, h, budget)

@@ -51,8 +51,7 @@ class WeaverDrafter(BlockDrafter):
         self.last_round: WeaverRound | None = None
 
     @torch.no_grad()
-    def propose(self, tokens, features, budget) -> DraftTree:
-        h = self.draft(tokens, features)
+    def tree(self, tokens, h, budget) -> DraftTree:
         r = self.last_round = WeaverRound(self.weaver, h, self.last_feature, capacity=budget + 1)
         # the last batch of nodes grows on below them by the marginals: deeper trees, no more Weaver calls
         tree = parallel_tree(tokens[-1], r.candidates, r, budget, self.width, fallback=r.marginals)

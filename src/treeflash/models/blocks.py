@@ -57,23 +57,24 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                 mask: torch.Tensor | None, ctx_len: int | None = None) -> torch.Tensor:
-        """h [T, H] block states; ctx_k/v [C, kv_heads, head_dim]; mask [T, C + T] bool (None: see all).
-        With `ctx_len`, ctx_k/v are static buffers (ContextCache) holding the context in their first ctx_len rows:
-        the block's K/V are written after it, in place, instead of concatenated to a copy of the context."""
+        """h [..., T, H] block states; ctx_k/v [..., C, kv_heads, head_dim]; mask [T, C + T] bool, or
+        [B, 1, T, C + T] for a batch (None: see all). With `ctx_len` (one sequence), ctx_k/v are static buffers
+        (ContextCache) holding the context in their first ctx_len rows: the block's K/V are written after it, in
+        place, instead of concatenated to a copy of the context."""
         c = self.c
         q = rope(self.q_norm(self.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
                  c.rope_theta)
         k, v = self.kv(h, positions)
         if ctx_len is None:
-            k, v = torch.cat([ctx_k, k]), torch.cat([ctx_v, v])
+            k, v = torch.cat([ctx_k, k], dim=-3), torch.cat([ctx_v, v], dim=-3)
         else:
             end = ctx_len + len(h)
             ctx_k[ctx_len:end], ctx_v[ctx_len:end] = k, v
             k, v = ctx_k[:end], ctx_v[:end]
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
+        q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [..., heads, T, head_dim]
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                              enable_gqa=c.num_attention_heads != c.num_key_value_heads)
-        return self.o_proj(out.transpose(0, 1).flatten(-2))
+        return self.o_proj(out.transpose(-3, -2).flatten(-2))
 
 
 class MLP(nn.Module):

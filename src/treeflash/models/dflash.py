@@ -336,6 +336,24 @@ class DFlashDrafter(nn.Module):
         return self.hidden(x, positions, ctx_kv, None)[1:]
 
     @torch.no_grad()
+    def draft_states_batch(self, roots: list[int], contexts: list[ContextCache]) -> torch.Tensor:
+        """`draft_states` of B sequences in one forward: [B, γ - 1, H]. Each block sees its own context (padded to
+        the longest, masked) and its own block; positions follow each context."""
+        device, T = self.fc.weight.device, self.config.block_size
+        x = self.block_inputs(torch.tensor(roots, device=device)).unflatten(0, (len(roots), T))
+        lengths = torch.tensor([len(c) for c in contexts], device=device)
+        positions = lengths[:, None] + torch.arange(T, device=device)
+        longest = int(lengths.max())
+        keys = torch.arange(longest + T, device=device)
+        mask = ((keys < lengths[:, None]) | (keys >= longest))[:, None, None, :]  # [B, 1, 1, C + T]
+        h = x.to(self.fc.weight.dtype)
+        for i, layer in enumerate(self.layers):
+            k = nn.utils.rnn.pad_sequence([c.k[i, :len(c)] for c in contexts], batch_first=True)
+            v = nn.utils.rnn.pad_sequence([c.v[i, :len(c)] for c in contexts], batch_first=True)
+            h = layer(h, positions, k, v, mask)
+        return h[:, 1:]
+
+    @torch.no_grad()
     def draft_logits(self, root: int, position: int, ctx_kv) -> torch.Tensor:
         """The DFlash marginals: logits [γ - 1, V] of the drafted positions."""
         return self.logits(self.draft_states(root, position, ctx_kv)).float()

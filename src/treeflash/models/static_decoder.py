@@ -3,8 +3,9 @@ models (Llama, Qwen2, Qwen3). The HF model stays the reference (`Target(runtime=
 architecture, hybrids included; tests hold this path to it.
 
 What makes it lean, each against what the generic HF path does:
-- one K/V tensor per kind for all layers, [layers, kv_heads, capacity, head_dim], preallocated: a forward writes
-  its tokens in place and commit is ONE gather into place for all layers (no per-layer cat or slice);
+- one K/V tensor per kind for all layers, [layers, slots, kv_heads, capacity, head_dim], preallocated: a forward
+  writes its tokens in place and commit is ONE gather into place for all layers (no per-layer cat or slice); a
+  batch of sequences is one forward over several slots, each with its own length;
 - q|k|v and gate|up are one matrix each (one GEMM instead of three / two). The HF modules are re-pointed to
   views of the fused matrices, so nothing is stored twice and the reference path keeps working;
 - attention is SDPA with an explicit boolean mask (none for one token); grouped-query attention folds the query
@@ -79,17 +80,61 @@ def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE, rotate-half convention: x [heads, n, head_dim], cos/sin [n, head_dim]."""
+    """RoPE, rotate-half convention: x [..., heads, n, head_dim], cos/sin broadcasting to it."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
-class StaticDecoder:
-    """The HF model's weights behind a lean forward over one sequence's preallocated KV cache.
+class KVCache:
+    """Preallocated K/V of `slots` sequences for all layers: [layers, slots, kv_heads, capacity, head_dim] per kind.
+    A forward writes its tokens in place; commit is ONE gather into place for all layers. It doubles when it must
+    grow. A single-sequence target holds one slot; a batch one slot per sequence, the batch in slots 0..B-1."""
 
-    `forward` writes the K/V of its n tokens at [start, start + n); what the caller keeps is its business
-    (`gather` moves kept entries into place; anything past the caller's length is simply overwritten later).
+    def __init__(self, decoder: "StaticDecoder", slots: int, capacity: int):
+        self.decoder, self.slots = decoder, slots
+        self.k = self.v = torch.empty(0)
+        self._allocate(min(capacity, decoder.max_positions), keep=0)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def _allocate(self, capacity: int, keep: int) -> None:
+        d = self.decoder
+        shape = (len(d.layers), self.slots, d.kv_heads, capacity, d.head_dim)
+        k = torch.zeros(shape, dtype=d.dtype, device=d.device)
+        v = torch.zeros(shape, dtype=d.dtype, device=d.device)
+        if keep:
+            k[..., :keep, :] = self.k[..., :keep, :]
+            v[..., :keep, :] = self.v[..., :keep, :]
+        self.k, self.v = k, v
+
+    def reserve(self, length: int, keep: int) -> None:
+        """Room for `length` positions (keeping the first `keep` of every slot)."""
+        if length > self.capacity:
+            self._allocate(min(max(length, 2 * self.capacity), self.decoder.max_positions), keep)
+
+    @torch.inference_mode()
+    def gather(self, slot: int, start: int, index: torch.Tensor) -> None:
+        """Move the K/V of `slot` at positions `index` to start, start + 1, ...: one copy for all layers."""
+        k = len(index)
+        self.k[:, slot, :, start:start + k] = self.k[:, slot, :, index]
+        self.v[:, slot, :, start:start + k] = self.v[:, slot, :, index]
+
+    @torch.inference_mode()
+    def move(self, source: int, dest: int, length: int) -> None:
+        """Copy the first `length` positions of slot `source` into slot `dest` (a batch stays in slots 0..B-1)."""
+        self.k[:, dest, :, :length] = self.k[:, source, :, :length]
+        self.v[:, dest, :, :length] = self.v[:, source, :, :length]
+
+
+class StaticDecoder:
+    """The HF model's weights behind a lean forward over preallocated KV caches (`KVCache`).
+
+    `forward` writes the K/V of its tokens at [start, start + n) of their slots; what the caller keeps is its
+    business (`KVCache.gather` moves kept entries into place; anything past the caller's length is simply
+    overwritten later). `self.cache` is the single-sequence cache; a batch brings its own (`new_cache`).
     """
 
     def __init__(self, model, capacity: int = 1024):
@@ -110,68 +155,73 @@ class StaticDecoder:
             dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = inner.rotary_emb(dummy, positions)
         self.cos, self.sin = cos[0], sin[0]  # [positions, head_dim], in the model's dtype (as HF applies them)
-        self.k_cache = self.v_cache = torch.empty(0)
-        self._allocate(min(capacity, self.max_positions), keep=0)
+        self.cache = self.new_cache(1, capacity)
 
-    @property
-    def capacity(self) -> int:
-        return self.k_cache.shape[2]
-
-    def _allocate(self, capacity: int, keep: int) -> None:
-        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if keep:
-            k[:, :, :keep] = self.k_cache[:, :, :keep]
-            v[:, :, :keep] = self.v_cache[:, :, :keep]
-        self.k_cache, self.v_cache = k, v
-
-    def reserve(self, length: int, keep: int) -> None:
-        """Room for `length` positions (keeping the first `keep`): the cache doubles when it must grow."""
-        if length > self.capacity:
-            self._allocate(min(max(length, 2 * self.capacity), self.max_positions), keep)
-
-    @torch.inference_mode()
-    def gather(self, start: int, index: torch.Tensor) -> None:
-        """Move the K/V at positions `index` to start, start + 1, ...: one copy for all layers."""
-        k = len(index)
-        self.k_cache[:, :, start:start + k] = self.k_cache[:, :, index]
-        self.v_cache[:, :, start:start + k] = self.v_cache[:, :, index]
+    def new_cache(self, slots: int, capacity: int = 1024) -> KVCache:
+        return KVCache(self, slots, capacity)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, start: int, allowed: torch.Tensor | None,
                 taps: tuple[int, ...] = (), logits_at: slice | torch.Tensor = slice(None)):
-        """ids, positions [n]; the tokens attend to the cache [0, start) and, among themselves, where
-        `allowed` [n, n] (bool; None: causal). Returns (logits [k, V] at `logits_at`, taps [n, len(taps), H] or
-        None): the taps are the outputs of those decoder layers (HF's hidden_states[i + 1]; -1: the embeddings)."""
-        n, end = len(ids), start + len(ids)
-        self.reserve(end, keep=start)
+        """One sequence in the single-sequence cache: ids, positions [n]; the tokens attend to the cache
+        [0, start) and, among themselves, where `allowed` [n, n] (bool; None: causal). Returns (logits [k, V] at
+        `logits_at`, taps [n, len(taps), H] or None): the outputs of those decoder layers (HF's
+        hidden_states[i + 1]; -1: the embeddings)."""
+        logits, hidden = self.forward_batch(self.cache, 0, ids[None], positions[None], [start],
+                                            None if allowed is None else allowed[None], taps, logits_at)
+        return logits[0], None if hidden is None else hidden[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, cache: KVCache, first_slot: int, ids: torch.Tensor, positions: torch.Tensor,
+                      starts: list[int], allowed: torch.Tensor | None, taps: tuple[int, ...] = (),
+                      logits_at: slice | torch.Tensor = slice(None)):
+        """B sequences of n tokens each (shorter ones padded by the caller), in slots first_slot.. of `cache`:
+        ids, positions [B, n]; sequence b attends to its cache [0, starts[b]) and, within its n tokens, where
+        `allowed` [B, n, n] (None: causal). Returns logits [B, k, V] and taps [B, n, len(taps), H] or None."""
+        B, n = ids.shape
+        end = max(starts) + n
+        cache.reserve(end, keep=max(starts))
         g = self.heads // self.kv_heads
         hd, qd, kvd = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, n, head_dim]
+        slots = slice(first_slot, first_slot + B)
+        even = all(s == starts[0] for s in starts)  # one start: slices; else one indexed write per layer
+        if not even:
+            rows = torch.arange(first_slot, first_slot + B, device=ids.device)[:, None]
+            cols = torch.tensor(starts, device=ids.device)[:, None] + torch.arange(n, device=ids.device)
         mask = None
-        if n > 1:  # the cache is visible to all; within the block, causal or the tree's ancestors
-            inner = allowed if allowed is not None else torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=ids.device), inner], dim=1)
-            mask = mask.repeat(g, 1)  # query rows are (group member, token)
+        if n > 1 or not even:  # each sequence sees its own cache; within the block, causal or its tree's ancestors
+            inner = allowed if allowed is not None else torch.ones(B, n, n, dtype=torch.bool,
+                                                                   device=ids.device).tril()
+            mask = torch.arange(end, device=ids.device) < torch.tensor(starts, device=ids.device)[:, None, None]
+            mask = mask.expand(B, n, end).clone()
+            if even:
+                mask[:, :, starts[0]:end] = inner
+            else:
+                mask[rows - first_slot, :, cols] = inner.transpose(1, 2)
+            mask = mask.repeat(1, g, 1)[:, None]  # query rows are (group member, token)
         x = self.embed(ids)
         kept = {-1: x} if -1 in taps else {}  # layer -1: the embeddings (HF's hidden_states[0])
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.in_norm)
             qkv = layer.qkv(h)
-            q = qkv[:, :qd].view(n, self.heads, hd)
-            k = qkv[:, qd:qd + kvd].view(n, self.kv_heads, hd)
-            v = qkv[:, qd + kvd:].view(n, self.kv_heads, hd)
+            q = qkv[..., :qd].view(B, n, self.heads, hd)
+            k = qkv[..., qd:qd + kvd].view(B, n, self.kv_heads, hd)
+            v = qkv[..., qd + kvd:].view(B, n, self.kv_heads, hd)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rotate(q.transpose(0, 1), cos, sin), _rotate(k.transpose(0, 1), cos, sin)
-            self.k_cache[i, :, start:end] = k
-            self.v_cache[i, :, start:end] = v.transpose(0, 1)
+            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            if even:
+                cache.k[i, slots, :, starts[0]:end] = k
+                cache.v[i, slots, :, starts[0]:end] = v.transpose(1, 2)
+            else:  # [B, n] (slot, position) pairs
+                cache.k[i][rows, :, cols] = k.transpose(1, 2)
+                cache.v[i][rows, :, cols] = v
             # grouped-query attention: the g query heads of a KV head become g x n query rows of that head
-            q = q.reshape(self.kv_heads, g * n, hd)
-            out = F.scaled_dot_product_attention(q[None], self.k_cache[i, :, :end][None],
-                                                 self.v_cache[i, :, :end][None], attn_mask=mask)
-            out = out[0].reshape(self.heads, n, hd).transpose(0, 1).reshape(n, qd)
+            q = q.reshape(B, self.kv_heads, g * n, hd)
+            out = F.scaled_dot_product_attention(q, cache.k[i, slots, :, :end], cache.v[i, slots, :, :end],
+                                                 attn_mask=mask)
+            out = out.reshape(B, self.heads, n, hd).transpose(1, 2).reshape(B, n, qd)
             x = x + layer.o(out)
             h = _rms_norm(x, layer.post_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -180,6 +230,6 @@ class StaticDecoder:
                 kept[i] = _rms_norm(x, self.final_norm) if i == len(self.layers) - 1 else x
         if len(kept) != len(set(taps)):
             raise IndexError(f"taps {taps} name layers the model does not have (-1..{len(self.layers) - 1})")
-        hidden = torch.stack([kept[i] for i in taps], dim=1) if taps else None
-        logits = self.lm_head(_rms_norm(x[logits_at], self.final_norm))
+        hidden = torch.stack([kept[i] for i in taps], dim=2) if taps else None
+        logits = self.lm_head(_rms_norm(x[:, logits_at], self.final_norm))
         return logits, hidden

@@ -1,0 +1,313 @@
+"""Batched tree speculative decoding: B sequences, one drafter forward and one verify forward per round.
+
+- `BatchTarget`: the target's fast path over a KV cache of `max_batch` slots, the batch in slots 0..B-1, each with
+  its own length. B trees are verified in one forward, padded to the largest (a padded row sees only itself), and
+  each sequence commits its own accepted path.
+- `BatchDrafter`: one drafter per sequence (its own context), built from the method's drafter by a shallow copy
+  (the weights are shared); block drafters (dflash, ddtree, treeflash, tfm) draft the whole batch in one forward,
+  then grow each sequence's tree. Prompt lookup and AR need no forward.
+- `BatchEngine`: continuous batching. `add` starts a sequence (its prefill runs alone), `step` runs one round for
+  the whole batch and removes the sequences that ended; sequences join and leave between rounds.
+
+Cost-aware speculation (`--budget auto`) chooses one tree size per round for the whole batch: the forward's cost
+depends on the batch and on the largest tree (speculation.BatchCosts), its worth on every sequence's tree.
+
+The single-sequence engine (`engine.generate`) is the reference: at T = 0 every sequence of a batch gets exactly
+its tokens, and at T > 0 each is an exact sample, as acceptance runs per sequence by the same rule.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .clock import now
+from .drafters.base import Drafter
+from .drafters.dflash import BlockDrafter
+from .engine import AUTO, DEFAULT_MAX_BUDGET, GenerationResult, Round, Sequence
+from .speculation import BatchCosts, Policy, VerifyCosts
+from .target import Target, TargetError, TargetOutput
+from .tree import DraftTree
+from .verify import Sampling, accept, expected_accepted
+
+
+class BatchTarget:
+    """Several sequences over one target (which must have the static runtime), in slots 0..B-1 of their own cache."""
+
+    def __init__(self, target: Target, max_batch: int, capacity: int = 1024):
+        if target.fast is None:
+            raise TargetError(f"batched decoding needs the static runtime (llama, qwen2, qwen3); {target.name} "
+                              f"runs on {target.runtime}: decode its sequences one at a time")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.target, self.max_batch = target, max_batch
+        self.cache = target.fast.new_cache(max_batch, capacity)
+        self.lengths: list[int] = []  # committed positions of each sequence
+        self.taps: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def add(self, ids: list[int], taps: tuple[int, ...] = ()) -> TargetOutput:
+        """Prefill a new sequence into the next slot: the logits of its last position, the taps of every one."""
+        if len(self) == self.max_batch:
+            raise RuntimeError(f"the batch is full ({self.max_batch} sequences)")
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.target.context_length:
+            raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.target.context_length}")
+        self.taps = tuple(taps)
+        device = self.target.device
+        logits, hidden = self.target.fast.forward_batch(
+            self.cache, len(self), torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None],
+            [0], None, self.taps, slice(-1, None))
+        self.lengths.append(len(ids))
+        return TargetOutput(logits[0].float(), None if hidden is None else hidden[0])
+
+    def remove(self, i: int) -> None:
+        """Drop sequence i; the last one moves into its slot (the batch stays in slots 0..B-1)."""
+        last = len(self) - 1
+        if i != last:
+            self.cache.move(last, i, self.lengths[last])
+            self.lengths[i] = self.lengths[last]
+        self.lengths.pop()
+
+    @torch.inference_mode()
+    def verify(self, trees: list[DraftTree]) -> list[TargetOutput]:
+        """One forward over every sequence's tree (trees[b] after sequence b); their K/V stay pending until
+        `commit`."""
+        if len(trees) != len(self):
+            raise ValueError(f"{len(trees)} trees for a batch of {len(self)}")
+        n, device = max(len(t) for t in trees), self.target.device
+        ids = torch.zeros(len(trees), n, dtype=torch.long)
+        positions = torch.tensor(self.lengths)[:, None].repeat(1, n)
+        allowed = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)  # padding sees only itself
+        for b, tree in enumerate(trees):
+            ids[b, :len(tree)] = torch.tensor(tree.tokens)
+            positions[b, :len(tree)] = tree.positions(self.lengths[b])
+            allowed[b, :len(tree), :len(tree)] = tree.ancestor_mask()
+        logits, hidden = self.target.fast.forward_batch(self.cache, 0, ids.to(device), positions.to(device),
+                                                        self.lengths, allowed.to(device), self.taps)
+        return [TargetOutput(logits[b, :len(t)].float(), None if hidden is None else hidden[b, :len(t)])
+                for b, t in enumerate(trees)]
+
+    @torch.inference_mode()
+    def commit(self, paths: list[list[int]]) -> None:
+        """Keep, for each sequence, the K/V of its accepted path (node indices into its last verified tree)."""
+        for b, nodes in enumerate(paths):
+            start = self.lengths[b]
+            if nodes != list(range(len(nodes))):
+                self.cache.gather(b, start, torch.tensor(nodes, device=self.target.device) + start)
+            self.lengths[b] = start + len(nodes)
+
+
+class BatchDrafter:
+    """One `drafter` per sequence of the batch; block drafters draft the whole batch in one forward."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter, self.name, self.taps = drafter, drafter.name, drafter.taps
+        self.lanes: list[Drafter] = []
+
+    def add(self) -> None:
+        lane = copy.copy(self.drafter)  # shares the weights; reset() gives it its own context
+        lane.reset()
+        self.lanes.append(lane)
+
+    def remove(self, i: int) -> None:
+        self.lanes[i] = self.lanes[-1]
+        self.lanes.pop()
+
+    @torch.no_grad()
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]:
+        if not isinstance(self.drafter, BlockDrafter):
+            trees = [lane.propose(s.tokens, s.features, b) for lane, s, b in zip(self.lanes, seqs, budgets)]
+        else:
+            self._observe(seqs)
+            model = self.drafter.model
+            h = model.draft_states_batch([s.tokens[-1] for s in seqs], [lane.context for lane in self.lanes])
+            trees = [lane.tree(s.tokens, h[b], budgets[b]) for b, (lane, s) in enumerate(zip(self.lanes, seqs))]
+        for s in seqs:
+            s.features = None
+        return trees
+
+    def _observe(self, seqs: list[Sequence]) -> None:
+        """Append every sequence's newly committed positions to its lane's context: one projection for all."""
+        new = [(lane, s.features) for lane, s in zip(self.lanes, seqs) if s.features is not None and len(s.features)]
+        if not new:
+            return
+        model = self.drafter.model
+        fused = model.fuse(torch.cat([f for _, f in new]))
+        positions = torch.cat([torch.arange(lane.ctx_len, lane.ctx_len + len(f)) for lane, f in new])
+        kv = model.context_kv(fused, positions.to(fused.device))
+        at = 0
+        for lane, f in new:
+            m = len(f)
+            lane.last_feature = fused[at + m - 1]
+            lane.context.append([(k[at:at + m], v[at:at + m]) for k, v in kv])
+            at += m
+        for lane, s in zip(self.lanes, seqs):
+            assert lane.ctx_len == len(s.tokens) - 1, "the drafter's context must cover every committed position"
+
+
+@dataclass
+class Request:
+    """One sequence of a batch: what was asked, and what it has produced so far."""
+
+    seq: Sequence
+    max_new_tokens: int
+    sampling: Sampling
+    generator: torch.Generator | None
+    result: GenerationResult
+    on_token: Callable[[int], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    finished: bool = False
+    data: dict = field(default_factory=dict)  # the caller's own bookkeeping (a server's request id, ...)
+
+
+class BatchEngine:
+    """Continuous batching over one target and one method; `budget`: draft nodes per tree, or "auto"."""
+
+    def __init__(self, target: Target, drafter: Drafter, max_batch: int = 8, budget: int | str = AUTO,
+                 max_budget: int = DEFAULT_MAX_BUDGET):
+        if budget != AUTO and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
+        self.target, self.batch = BatchTarget(target, max_batch), BatchDrafter(drafter)
+        self.requests: list[Request] = []
+        self.budget = budget if budget != AUTO else max_budget
+        self.policy = None
+        if budget == AUTO and drafter.name != "ar":
+            self.policy = batch_policy_for(target, drafter, max_batch, max_budget)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def full(self) -> bool:
+        return len(self) == self.target.max_batch
+
+    def add(self, prompt: list[int], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+            seed: int | None = None, on_token: Callable[[int], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Request:
+        """Start a sequence (its prefill runs now, alone) that joins the batch at the next round."""
+        generator = None if seed is None else torch.Generator(device=self.target.target.device).manual_seed(seed)
+        max_new_tokens = min(max_new_tokens, self.target.target.context_length - len(prompt))
+        t0 = now(self.target.target.device)
+        out = self.target.add(prompt, self.batch.taps)
+        first = int(sampling.choose(out.logits[-1], generator))
+        seq = Sequence(prompt + [first], out.hidden, [first])
+        request = Request(seq, max_new_tokens, sampling, generator,
+                          GenerationResult(seq.emitted, prefill_s=now(self.target.target.device) - t0),
+                          on_token, should_stop)
+        self.batch.add()
+        self.requests.append(request)
+        if on_token:
+            on_token(first)
+        return request
+
+    def step(self) -> list[Request]:
+        """One round for every sequence: draft, verify all trees in one forward, commit each accepted path.
+        Returns the requests that ended (EOS, their limit, or should_stop), which have left the batch."""
+        done = self._retire()  # those that ended at their prefill, or were stopped since the last round
+        if not self.requests:
+            return done
+        seqs = [r.seq for r in self.requests]
+        device = self.target.target.device
+        room = self.target.target.context_length - max(self.target.lengths) - 1  # padded trees must fit too
+        budget = max(min(self.budget, room), 0)
+        t0 = now(device)
+        drafted = budget > 0 and self.batch.name != "ar" and (self.policy is None or self.policy.should_draft())
+        if drafted:
+            trees = self.batch.propose(seqs, [budget] * len(seqs))
+            if self.policy:
+                trees = self.policy.choose(trees)
+        else:  # plain AR steps: the drafters' contexts catch up at their next call
+            trees = [DraftTree.chain(s.tokens[-1]) for s in seqs]
+        t1 = now(device)
+        outs = self.target.verify(trees)
+        picks = [accept(t, o.logits, r.sampling, r.generator) for t, o, r in zip(trees, outs, self.requests)]
+        self.target.commit([path for path, _ in picks])
+        t2 = now(device)
+        committed = 0
+        for r, tree, out, (path, bonus) in zip(self.requests, trees, outs, picks):
+            if out.hidden is not None:
+                new_features = out.hidden[path]
+                r.seq.features = new_features if r.seq.features is None else torch.cat([r.seq.features, new_features])
+            new = [tree.tokens[i] for i in path[1:]] + [bonus]
+            committed += len(new)
+            expected = len(new) if r.sampling.greedy else expected_accepted(tree, out.logits, r.sampling)
+            kept = r.seq.extend(new, r.max_new_tokens, self.target.target.eos_ids)
+            for token in kept if r.on_token else ():
+                r.on_token(token)
+            r.result.rounds.append(Round(len(kept), tree.size, t1 - t0, t2 - t1, min(expected, len(kept))))
+        if self.policy:
+            self.policy.observe(trees, [path for path, _ in picks], committed, t1 - t0, t2 - t1, drafted)
+        return done + self._retire()
+
+    def _retire(self) -> list[Request]:
+        """Remove the sequences that ended (or whose caller asked to stop) from the batch."""
+        done = []
+        for i in reversed(range(len(self.requests))):
+            r = self.requests[i]
+            if r.seq.done(r.max_new_tokens, self.target.target.eos_ids) or (r.should_stop and r.should_stop()):
+                r.finished = True
+                done.append(r)
+                self.target.remove(i)
+                self.batch.remove(i)
+                self.requests[i] = self.requests[-1]
+                self.requests.pop()
+        return done[::-1]
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+            seed: int | None = None, progress: Callable[[Request], None] | None = None) -> list[GenerationResult]:
+        """Decode every prompt, up to `max_batch` at a time: a finished sequence's slot goes to the next prompt
+        between rounds. Prompt i samples with seed + i (None: unseeded). Results in the prompts' order."""
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        waiting = list(range(len(prompts)))
+        while waiting or self.requests:
+            while waiting and not self.full:
+                i = waiting.pop(0)
+                request = self.add(prompts[i], max_new_tokens, sampling, None if seed is None else seed + i)
+                request.data["index"] = i
+                results[i] = request.result
+            for request in self.step():
+                if progress:
+                    progress(request)
+        return results  # type: ignore[return-value]
+
+
+_batch_costs: "weakref.WeakKeyDictionary[object, dict[int, BatchCosts]]" = weakref.WeakKeyDictionary()
+_batch_policies: "weakref.WeakKeyDictionary[object, dict[tuple, Policy]]" = weakref.WeakKeyDictionary()
+
+
+def batch_costs(target: Target, max_batch: int, max_tokens: int, context: int = 128) -> BatchCosts:
+    """Verification costs of the target by batch size (powers of two up to `max_batch`, and it), each timed on
+    dummy sequences in a cache of their own (the batch in flight is not touched)."""
+    sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+    vocab = target.config.vocab_size
+    tables = {}
+    for b in sizes:
+        scratch = BatchTarget(target, b, capacity=context + 2 * max_tokens)
+        g = torch.Generator().manual_seed(b)
+        for _ in range(b):
+            scratch.add(torch.randint(vocab, (context,), generator=g).tolist())
+
+        def verify(tree: DraftTree, scratch=scratch, b=b) -> None:
+            scratch.verify([tree] * b)  # nothing committed: every measurement sees the same contexts
+        tables[b] = VerifyCosts.timed(verify, target.device, vocab, max_tokens)
+    return BatchCosts(tables)
+
+
+def batch_policy_for(target: Target, drafter: Drafter, max_batch: int, max_budget: int) -> Policy:
+    """The batch policy of this drafter on this target (costs measured once per target and batch limit)."""
+    per_target = _batch_costs.setdefault(target, {})
+    if max_batch not in per_target:
+        per_target[max_batch] = batch_costs(target, max_batch, max_budget + 1)
+    policies = _batch_policies.setdefault(drafter, {})
+    key = (id(target), max_batch, max_budget)
+    if key not in policies:
+        policies[key] = Policy(per_target[max_batch], max_budget)
+    return policies[key]

@@ -1,0 +1,204 @@
+"""Batched decoding: B sequences in one verify (and one drafter) forward give each sequence exactly what it gets
+alone: the same logits, the greedy tokens of plain AR decoding at T = 0, and exact samples at T > 0."""
+
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import treeflash.batching
+from treeflash import DraftTree, Sampling, generate
+from treeflash.batching import BatchEngine, BatchTarget
+from treeflash.drafters import BlockDrafter, WeaverDrafter, make_drafter
+from treeflash.models.dflash import ContextCache
+from treeflash.target import TargetError
+
+from conftest import tiny_target
+from test_dflash import tiny_drafter
+from test_lossless import repetitive_prompt
+from test_sampling import PROMPT, SAMPLES, VOCAB, FixedTreeDrafter, biased_accept, exact_joint
+from test_speculation import costs
+from test_target import random_tree
+from test_treeflash import treeflash_drafter
+from test_weaver import tiny_weaver
+
+ATOL = 1e-4  # fp32: the same computation, batched and padded, in another order
+
+
+class Oracles:
+    """OracleTreeDrafter for several prompts at once: trees holding (cut, sometimes wrong) pieces of each
+    sequence's own AR continuation, behind a decoy, so accepted paths fork away from node order."""
+
+    name, taps = "oracles", ()
+
+    def __init__(self, references: dict[tuple, list[int]], vocab: int, seed: int = 0):
+        self.references, self.vocab, self.rng = references, vocab, random.Random(seed)
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens, features, budget) -> DraftTree:
+        prompt = next(p for p in self.references if tuple(tokens[:len(p)]) == p)
+        rng, done = self.rng, len(tokens) - len(prompt)
+        truth = list(self.references[prompt][done:done + rng.randint(0, 10)])
+        if truth and rng.random() < 0.3:
+            truth[rng.randrange(len(truth))] = rng.randrange(self.vocab)
+        decoy = [rng.randrange(self.vocab) for _ in range(rng.randint(1, 3))]
+        return DraftTree.from_paths(tokens[-1], [decoy, truth], budget=budget)
+
+
+def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [repetitive_prompt(rng, vocab, rng.randint(5, 60)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_batched_verify_equals_each_sequence_alone(kind):
+    """Mixed lengths and tree sizes, committed paths that skip nodes, several rounds, a sequence leaving and one
+    joining: every sequence's logits equal those of the single-sequence target on the same history."""
+    batch, single = tiny_target(kind), tiny_target(kind)
+    vocab, rng = batch.config.vocab_size, random.Random(1)
+    histories = prompts(vocab, 3)  # the tokens in each sequence's cache
+    roots = [rng.randrange(vocab) for _ in histories]  # each sequence's next token, not yet seen
+    bt = BatchTarget(batch, max_batch=3, capacity=16)  # small: the cache must grow mid-run
+    for h in histories:
+        torch.testing.assert_close(bt.add(h).logits, single.prefill(h).logits, atol=ATOL, rtol=0)
+    for round_ in range(6):
+        if round_ == 3:  # the first sequence leaves (the last takes its slot), a new one joins
+            bt.remove(0)
+            histories[0], roots[0] = histories.pop(), roots.pop()
+            histories.append(prompts(vocab, 1, seed=9)[0])
+            roots.append(1)
+            bt.add(histories[-1])
+        trees = [random_tree(rng, vocab, rng.randint(1, 12)) for _ in histories]
+        trees = [DraftTree((r, *t.tokens[1:]), t.parents) for r, t in zip(roots, trees)]
+        outs = bt.verify(trees)
+        paths = []
+        for b, (h, tree, out) in enumerate(zip(histories, trees, outs)):
+            single.prefill(h)
+            torch.testing.assert_close(out.logits, single.verify(tree).logits, atol=ATOL, rtol=0)
+            paths.append(tree.path_to(rng.randrange(len(tree))))
+            h += [tree.tokens[i] for i in paths[-1]]
+            roots[b] = rng.randrange(vocab)
+        bt.commit(paths)
+        assert bt.lengths == [len(h) for h in histories]
+
+
+def test_batched_drafting_equals_each_sequence_alone():
+    target = tiny_target("qwen3")
+    model = tiny_drafter(target, seed=2)
+    contexts, roots = [], []
+    for i, n in enumerate((3, 17, 9)):
+        ctx = ContextCache(model, capacity=4)
+        features = torch.randn(n, 2, 64, generator=torch.Generator().manual_seed(i))
+        ctx.append(model.context_kv(model.fuse(features), torch.arange(n)))
+        contexts.append(ctx)
+        roots.append(5 + i)
+    batched = model.draft_states_batch(roots, contexts)
+    for b, (root, ctx) in enumerate(zip(roots, contexts)):
+        torch.testing.assert_close(batched[b], model.draft_states(root, len(ctx), ctx), atol=ATOL, rtol=0)
+
+
+def drafters(target, references):
+    vocab = target.config.vocab_size
+    yield make_drafter("ar")
+    yield make_drafter("pld")
+    yield Oracles(references, vocab)
+    yield BlockDrafter(tiny_drafter(target, seed=1), "dflash")
+    yield BlockDrafter(tiny_drafter(target, seed=1), "ddtree")
+    yield BlockDrafter(treeflash_drafter(target, seed=1), "treeflash", top_m=4)
+    model = tiny_drafter(target, seed=1)
+    yield WeaverDrafter(model, tiny_weaver(model), width=2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_every_method_batched_matches_ar(kind):
+    """Mixed prompt lengths and limits, sequences that end early (EOS, limit), more prompts than slots (joins
+    mid-run): each sequence's tokens are its own plain AR decoding."""
+    target = tiny_target(kind)
+    vocab = target.config.vocab_size
+    ps = prompts(vocab, 5, seed=3)
+    limits = [30, 7, 25, 1, 18]
+    ar = [generate(target, make_drafter("ar"), p, n).tokens for p, n in zip(ps, limits)]
+    target.eos_ids = frozenset({ar[2][9]})  # the third sequence (at least) ends at an EOS
+    try:
+        ar = [generate(target, make_drafter("ar"), p, n).tokens for p, n in zip(ps, limits)]
+        assert len(ar[2]) < limits[2]
+        for drafter in drafters(target, {tuple(p): a for p, a in zip(ps, ar)}):
+            for budget in (3, 12):
+                engine = BatchEngine(target, drafter, max_batch=3, budget=budget)
+                waiting, got = list(range(5)), {}
+                while waiting or len(engine):
+                    while waiting and not engine.full:  # join between rounds, as a server does
+                        i = waiting.pop(0)
+                        engine.add(ps[i], limits[i]).data["i"] = i
+                    for request in engine.step():
+                        got[request.data["i"]] = request.result.tokens
+                assert [got[i] for i in range(5)] == ar, (drafter.name, budget)
+    finally:
+        target.eos_ids = frozenset()
+
+
+def test_run_keeps_the_prompts_order_and_counts_committed_tokens():
+    target = tiny_target("llama")
+    ps = prompts(target.config.vocab_size, 4, seed=5)
+    ar = [generate(target, make_drafter("ar"), p, 20).tokens for p in ps]
+    results = BatchEngine(target, make_drafter("pld"), max_batch=2, budget=8).run(ps, 20)
+    assert [r.tokens for r in results] == ar
+    assert all(sum(r.accepted for r in res.rounds) == len(res.tokens) - 1 for res in results)
+
+
+@pytest.mark.parametrize("per_token_ms", [0.01, 100.0])
+def test_auto_budget_batched_is_lossless(monkeypatch, per_token_ms):
+    """Whatever one batch-wide size the policy picks (whole trees, prefixes, AR rounds), tokens are AR's."""
+    target = tiny_target("qwen3")
+    monkeypatch.setattr(treeflash.batching, "batch_costs",
+                        lambda *a, **k: treeflash.speculation.BatchCosts({1: costs(per_token_ms)}))
+    ps = prompts(target.config.vocab_size, 4, seed=6)
+    ar = [generate(target, make_drafter("ar"), p, 24).tokens for p in ps]
+    for drafter in (make_drafter("pld"), BlockDrafter(tiny_drafter(target, seed=1), "ddtree"),
+                    Oracles({tuple(p): a for p, a in zip(ps, ar)}, target.config.vocab_size)):
+        results = BatchEngine(target, drafter, max_batch=3).run(ps, 24)
+        assert [r.tokens for r in results] == ar
+        sizes = [r.tree_size for res in results for r in res.rounds]
+        if per_token_ms == 100.0:
+            assert sizes.count(0) > len(sizes) // 2  # mostly AR rounds
+
+
+def test_batch_costs_are_measured_per_batch_size():
+    target = tiny_target("llama")
+    costs_ = treeflash.batching.batch_costs(target, max_batch=3, max_tokens=5)
+    assert costs_.batches == [1, 2, 3]
+    assert all(costs_(n, b) > 0 for n in (1, 4) for b in (1, 2, 3, 6))
+
+
+def batched_pvalue(target, sampling, drafter) -> float:
+    counts = torch.zeros(VOCAB, VOCAB)
+    for start in range(0, SAMPLES, 8):  # 8 sequences of the same prompt per batch, each its own seed
+        engine = BatchEngine(target, drafter, max_batch=8, budget=16)
+        for seed in range(start, start + 8):
+            engine.add(PROMPT, 3, sampling, seed=seed)
+        while len(engine):
+            for request in engine.step():
+                t = request.result.tokens
+                counts[t[1], t[2]] += 1
+    expected = exact_joint(target, sampling).flatten() * SAMPLES
+    keep = expected >= 5
+    obs = torch.cat([counts.flatten()[keep], counts.flatten()[~keep].sum(0, keepdim=True)])
+    exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def test_batched_sampling_is_exact_and_a_biased_rule_fails(monkeypatch):
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB)
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(8)
+    assert batched_pvalue(target, Sampling(temperature=1.0), FixedTreeDrafter()) > 1e-3
+    monkeypatch.setattr(treeflash.batching, "accept", biased_accept)
+    assert batched_pvalue(target, Sampling(temperature=1.0), FixedTreeDrafter()) < 1e-6
+
+
+def test_batching_needs_the_static_runtime():
+    with pytest.raises(TargetError, match="static runtime"):
+        BatchEngine(tiny_target("llama", runtime="hf"), make_drafter("ar"))
