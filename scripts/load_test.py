@@ -7,6 +7,7 @@ and equal its AR answer (T = 0). Reports latency percentiles, throughput, 429s, 
 (did memory grow?), and, for a server it started, whether SIGTERM lets the request in flight finish.
 
     python scripts/load_test.py --requests 96 --rounds 3 --out load.json
+    python scripts/load_test.py --clients 8 --max-batch 8 --out load-batched.json   # continuous batching
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def free_port() -> int:
 
 def start_server(args, port: int, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "treeflash.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--target", args.target, "--dtype", args.dtype, "--max-queue", str(args.max_queue)]
+           "--target", args.target, "--dtype", args.dtype, "--max-queue", str(args.max_queue),
+           "--max-batch", str(args.max_batch)]
     if args.method:
         cmd += ["--method", args.method]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TREEFLASH_API_KEY": ""})
@@ -260,6 +262,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--method", default=None, help="for the server it starts (default: serve's default)")
     p.add_argument("--max-queue", type=int, default=16, help="for the server it starts")
+    p.add_argument("--max-batch", type=int, default=1, help="for the server it starts: requests decoded together")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--requests", type=int, default=96, help="in all (at most 2000)")
     p.add_argument("--rounds", type=int, default=3, help="the server's RSS is sampled after each")
@@ -291,8 +294,11 @@ def main() -> int:
     finally:
         if server and server.poll() is None:
             server.kill()
-    summary = {"url": url, "method": health["method"], "model": health["model"], **summarise(report, args, shutdown)}
-    print(f"method {summary['method']}, model {summary['model']}, T = 0, every served answer checked against AR")
+    summary = {"url": url, "method": health["method"], "model": health["model"],
+               "max_batch": None if args.url else args.max_batch, "clients": args.clients,
+               **summarise(report, args, shutdown)}
+    print(f"method {summary['method']}, model {summary['model']}, max batch {summary['max_batch']}, "
+          f"{args.clients} clients, T = 0, every served answer checked against AR")
     print(table(summary))
     for problem in summary["problems"]:
         print("problem:", problem)

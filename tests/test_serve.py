@@ -24,7 +24,8 @@ from treeflash.engine import GenerationResult, generate
 from treeflash.serve.app import Settings, create_app
 from treeflash.serve.openai_api import APIError
 from treeflash.serve.text import TextStream
-from treeflash.serve.worker import Job, QueueFull, Worker, engine_decoder
+from treeflash.batching import BatchEngine
+from treeflash.serve.worker import BatchWorker, Job, QueueFull, Worker, engine_decoder
 from treeflash.verify import Sampling
 
 MODEL = "smollm2-135m-instruct"
@@ -401,3 +402,53 @@ def test_shutdown_finishes_the_request_in_flight(smollm2, reference):
             rest = [line for line in lines if line.startswith("data:")]
     texts = [json.loads(line[5:])["choices"][0]["text"] for line in [first, *rest[:-1]]]
     assert rest[-1] == "data: [DONE]" and "".join(texts) == smollm2.decode(reference["completion"][1])
+
+
+# ---- batching --------------------------------------------------------------------------------------------------
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_batched_server_answers_each_client_as_plain_decoding(smollm2, reference, method):
+    """--max-batch 3: five concurrent clients (more than the slots: they join as others leave), streamed and not,
+    chat and completion, one that leaves early; every answer is plain decoding's, and shutdown drains the batch."""
+    engine = BatchEngine(smollm2, make_drafter(method, smollm2), max_batch=3, budget=8)
+    worker = BatchWorker(engine, smollm2.eos_ids)
+    app = create_app(smollm2, worker, Settings(model=MODEL, method=method))
+    (_, chat_tokens), (_, raw_tokens) = reference["chat"], reference["completion"]
+    with running(app) as (url, server):
+        c = client(url)
+
+        def chat(stream: bool) -> str:
+            kwargs = dict(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=TOKENS,
+                          temperature=0)
+            if stream:
+                return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kwargs,
+                                                                                                   stream=True))
+            return c.chat.completions.create(**kwargs).choices[0].message.content
+
+        def completion(stream: bool) -> str:
+            answer = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=stream)
+            return "".join(ch.choices[0].text for ch in answer) if stream else answer.choices[0].text
+
+        def leaver() -> str:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+                    "max_tokens": 2000, "stream": True}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as events:
+                data = [line for line, _ in zip((x for x in events.iter_lines() if x.startswith("data:")), range(3))]
+            assert len(data) == 3, (events.status_code, data)  # three chunks, then the client leaves
+            return "left"
+
+        async def all_at_once():
+            calls = [(chat, True), (chat, False), (completion, True), (completion, False), (leaver,)]
+            return await asyncio.gather(*(asyncio.to_thread(*call) for call in calls))
+
+        answers = asyncio.run(all_at_once())
+        assert answers == [smollm2.decode(chat_tokens)] * 2 + [smollm2.decode(raw_tokens)] * 2 + ["left"]
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}) as events:
+            lines = events.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            server.should_exit = True  # SIGTERM: the request in the batch finishes
+            rest = [line for line in lines if line.startswith("data:")]
+    texts = [json.loads(line[5:])["choices"][0]["text"] for line in [first, *rest[:-1]]]
+    assert rest[-1] == "data: [DONE]" and "".join(texts) == smollm2.decode(raw_tokens)
+    assert len(engine) == 0  # the leaver's sequence left the batch

@@ -247,6 +247,15 @@ class BatchEngine:
             self.policy.observe(trees, [path for path, _ in picks], committed, t1 - t0, t2 - t1, drafted)
         return done + self._retire()
 
+    def abort(self) -> list[Request]:
+        """Remove every sequence from the batch (after a failure): the requests that were in it."""
+        for r in self.requests:
+            r.finished = True
+        aborted, self.requests = self.requests, []
+        self.target.lengths.clear()
+        self.batch.lanes.clear()
+        return aborted
+
     def _retire(self) -> list[Request]:
         """Remove the sequences that ended (or whose caller asked to stop) from the batch."""
         done = []

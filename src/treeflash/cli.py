@@ -142,7 +142,10 @@ def build_parser() -> Parser:
     sv.add_argument("--api-key", default=None, help="clients must send Authorization: Bearer KEY "
                     "(default: $TREEFLASH_API_KEY; unset: no key)")
     sv.add_argument("--max-queue", type=_positive_int, default=16,
-                    help="requests waiting behind the one decoding; more get 429 (16)")
+                    help="requests waiting for a decoding slot; more get 429 (16)")
+    sv.add_argument("--max-batch", type=_positive_int, default=1,
+                    help="requests decoded together (continuous batching: a request joins between rounds when a "
+                    "slot is free); 1 (default): one at a time. Needs the static runtime (llama, qwen2, qwen3)")
     sv.add_argument("--timeout", type=_positive_float, default=600.0,
                     help="seconds from a request's arrival to the end of its answer (600)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --target)")
@@ -378,7 +381,8 @@ def cmd_serve(args) -> None:
     settings = Settings(model=args.served_model_name or args.target, method=args.method, api_key=api_key,
                         timeout=args.timeout, max_tokens=args.max_new_tokens, temperature=sampling.temperature,
                         top_p=sampling.top_p, top_k=sampling.top_k, seed=args.seed)
-    run(target, drafter, settings, args.budget, args.max_budget, args.max_queue, args.host, args.port)
+    run(target, drafter, settings, args.budget, args.max_budget, args.max_queue, args.host, args.port,
+        args.max_batch)
 
 
 def _choose_method(args) -> None:

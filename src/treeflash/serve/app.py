@@ -22,12 +22,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..batching import BatchEngine
 from ..engine import GenerationResult
 from ..verify import Sampling
 from .metrics import CONTENT_TYPE
 from .openai_api import APIError, ChatRequest, CompletionRequest, Reply, _Request, usage
 from .text import TextStream
-from .worker import Finished, Job, QueueFull, Worker, engine_decoder
+from .worker import BatchWorker, Finished, Job, QueueFull, Worker, engine_decoder
 
 RETRY_AFTER_S = 1  # a full queue: when to ask again
 DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
@@ -238,7 +239,12 @@ def is_loopback(host: str) -> bool:
 
 
 def run(target, drafter, settings: Settings, budget: int | str, max_budget: int, max_queue: int, host: str,
-        port: int) -> None:
-    """Serve until SIGTERM or Ctrl-C; uvicorn then stops taking requests and lets the ones in flight finish."""
-    worker = Worker(engine_decoder(target, drafter, budget, max_budget), target.eos_ids, max_queue)
+        port: int, max_batch: int = 1) -> None:
+    """Serve until SIGTERM or Ctrl-C; uvicorn then stops taking requests and lets the ones in flight finish.
+    `max_batch` > 1: up to that many requests decoded together (continuous batching)."""
+    if max_batch > 1:
+        engine = BatchEngine(target, drafter, max_batch, budget, max_budget)
+        worker: Worker = BatchWorker(engine, target.eos_ids, max_queue)
+    else:
+        worker = Worker(engine_decoder(target, drafter, budget, max_budget), target.eos_ids, max_queue)
     uvicorn.run(create_app(target, worker, settings), host=host, port=port)

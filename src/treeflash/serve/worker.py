@@ -1,9 +1,10 @@
 """One decoding thread serving the requests in arrival order, behind a bounded queue.
 
-The target holds one sequence's KV cache, so requests run one at a time. The thread runs `engine.generate` (torch
-releases the GIL, so the event loop keeps answering meanwhile) and posts each request's text to its asyncio queue
-as it comes. A request ends early when its client leaves, its stop string shows up or its deadline passes: the
-engine asks `Job.should_stop` before every round.
+`Worker` runs one request at a time through `engine.generate`; `BatchWorker` decodes up to `--max-batch` requests
+together (batching.BatchEngine): a request joins the batch between rounds as soon as a slot is free, and leaves it
+when it ends. Either way the thread (torch releases the GIL, so the event loop keeps answering meanwhile) posts each
+request's text to its asyncio queue as it comes. A request ends early when its client leaves, its stop string shows
+up or its deadline passes: the engine asks `Job.should_stop` before every round.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..batching import BatchEngine
 from ..engine import GenerationResult, generate
 from ..verify import Sampling
 from .metrics import Metrics
@@ -122,13 +124,22 @@ class Worker:
                 job.post("error", APIError(500, "internal error while decoding", type="server_error"))
 
     def _serve(self, job: Job) -> None:
-        if job.cancelled.is_set():  # the client left while queued
+        if self._stale(job):
+            return
+        self._finish(job, self.decode(job))
+
+    @staticmethod
+    def _stale(job: Job) -> bool:
+        """A job whose client left, or whose deadline passed, while it was queued: answered, not decoded."""
+        if job.cancelled.is_set():
             job.post("error", APIError(499, "the client closed the request"))
-            return
-        if job.should_stop():  # the deadline passed while queued
+            return True
+        if job.should_stop():
             job.post("error", _timeout())
-            return
-        result = self.decode(job)
+            return True
+        return False
+
+    def _finish(self, job: Job, result: GenerationResult) -> None:
         self._measure(job, result)
         if job.timed_out and not job.text.stopped:
             job.post("error", _timeout())
@@ -142,6 +153,46 @@ class Worker:
         decode_s = result.seconds - result.prefill_s
         tpot = decode_s / (len(result.tokens) - 1) if len(result.tokens) > 1 else None
         self.metrics.generation(len(job.prompt), len(job.text.tokens), result.tau if result.rounds else None, tpot)
+
+
+class BatchWorker(Worker):
+    """Up to `engine`'s max_batch requests decoded together; the queue holds those waiting for a slot."""
+
+    def __init__(self, engine: BatchEngine, eos_ids: frozenset[int] = frozenset(), max_queue: int = 16,
+                 metrics: Metrics | None = None):
+        super().__init__(None, eos_ids, max_queue, metrics)
+        self.engine = engine
+
+    def _run(self) -> None:
+        closing = False
+        while not (closing and not len(self.engine)):
+            while not closing and not self.engine.full:  # admit between rounds; wait only when idle
+                try:
+                    job = self.queue.get(block=not len(self.engine))
+                except queue.Empty:
+                    break
+                if job is None:  # close(): every job queued before it has been admitted
+                    closing = True
+                elif not self._stale(job):
+                    self._admit(job)
+            try:
+                for request in self.engine.step():
+                    self._finish(request.data["job"], request.result)
+            except Exception:  # a bug must not take the server down: this batch fails, the next requests run
+                log.exception("decoding failed")
+                for request in self.engine.abort():
+                    request.data["job"].post("error", APIError(500, "internal error while decoding",
+                                                               type="server_error"))
+
+    def _admit(self, job: Job) -> None:
+        try:
+            request = self.engine.add(job.prompt, job.max_tokens, job.sampling, job.seed, job.on_token,
+                                      job.should_stop)
+        except Exception:
+            log.exception("prefill failed")
+            job.post("error", APIError(500, "internal error while decoding", type="server_error"))
+            return
+        request.data["job"] = job
 
 
 def _timeout() -> APIError:
