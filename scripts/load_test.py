@@ -295,7 +295,7 @@ def main() -> int:
         if server and server.poll() is None:
             server.kill()
     summary = {"url": url, "method": health["method"], "model": health["model"],
-               "max_batch": None if args.url else args.max_batch, "clients": args.clients,
+               "max_batch": None if args.url else args.max_batch,
                **summarise(report, args, shutdown)}
     print(f"method {summary['method']}, model {summary['model']}, max batch {summary['max_batch']}, "
           f"{args.clients} clients, T = 0, every served answer checked against AR")

@@ -178,6 +178,7 @@ class BatchEngine:
         self.target, self.batch = BatchTarget(target, max_batch), BatchDrafter(drafter)
         self.requests: list[Request] = []
         self.budget = budget if budget != AUTO else max_budget
+        self.rounds, self.draft_s, self.verify_s = 0, 0.0, 0.0  # cumulative, over the batch's rounds (for bench)
         self.policy = None
         if budget == AUTO and drafter.name != "ar":
             self.policy = batch_policy_for(target, drafter, max_batch, max_budget)
@@ -231,6 +232,7 @@ class BatchEngine:
         picks = [accept(t, o.logits, r.sampling, r.generator) for t, o, r in zip(trees, outs, self.requests)]
         self.target.commit([path for path, _ in picks])
         t2 = now(device)
+        self.rounds, self.draft_s, self.verify_s = self.rounds + 1, self.draft_s + t1 - t0, self.verify_s + t2 - t1
         committed = 0
         for r, tree, out, (path, bonus) in zip(self.requests, trees, outs, picks):
             if out.hidden is not None:

@@ -37,14 +37,17 @@ def run_batch_bench(target: Target, prompts: list[str], methods: list[str], batc
         engine.run(encoded[:engine.target.max_batch], 8, sampling, seed)
 
     stats = {key: {"tokens": 0, "seconds": 0.0, "rounds": 0, "committed": 0, "nodes": 0, "ar_rounds": 0,
-                   "outputs": None}
+                   "batch_rounds": 0, "draft_s": 0.0, "verify_s": 0.0, "outputs": None}
              for key in engines}
     bar = tqdm(total=len(engines) * repeats, desc="batch bench", unit="run", disable=not progress, leave=False)
     for _ in range(repeats):
         for key, engine in engines.items():
-            start = now(target.device)
+            start, rounds, draft_s, verify_s = now(target.device), engine.rounds, engine.draft_s, engine.verify_s
             results = engine.run(encoded, max_new_tokens, sampling, seed)
             s = stats[key]
+            s["batch_rounds"] += engine.rounds - rounds
+            s["draft_s"] += engine.draft_s - draft_s
+            s["verify_s"] += engine.verify_s - verify_s
             s["seconds"] += now(target.device) - start
             s["tokens"] += sum(len(r.tokens) for r in results)
             rounds = [x for r in results for x in r.rounds]
@@ -69,6 +72,9 @@ def run_batch_bench(target: Target, prompts: list[str], methods: list[str], batc
             "speedup_vs_batch_1": None if own1 is None else tps / (own1["tokens"] / own1["seconds"]),
             "tau": s["committed"] / max(s["rounds"], 1),  # per sequence and round
             "mean_tree_size": s["nodes"] / max(s["rounds"], 1),
+            "mean_batch": s["rounds"] / max(s["batch_rounds"], 1),  # sequences per round (the tail runs fewer)
+            "draft_ms_per_round": 1e3 * s["draft_s"] / max(s["batch_rounds"], 1),  # the whole batch's turn
+            "verify_ms_per_round": 1e3 * s["verify_s"] / max(s["batch_rounds"], 1),
             "ar_round_share": s["ar_rounds"] / max(s["rounds"], 1),
             "matches_ar": None if reference is None else s["outputs"] == reference,
             "prompts_matching_ar": None if reference is None else sum(o == r for o, r in zip(s["outputs"], reference)),
@@ -80,11 +86,13 @@ def run_batch_bench(target: Target, prompts: list[str], methods: list[str], batc
 
 def format_batch_table(report: dict) -> str:
     head = (f"{'variant':<18} {'tok/s':>7} {'vs ar':>7} {'vs B=1':>7} {'tau':>5} {'size':>5} {'AR %':>5} "
-            f"{'matches_ar':>10}")
+            f"{'batch':>5} {'draft ms':>8} {'verify ms':>9} {'matches_ar':>10}")
     lines = [head, "-" * len(head)]
     for name, r in report.items():
         match = "-" if r["matches_ar"] is None else f"{r['prompts_matching_ar']}/{r['num_prompts']}"
         vs1 = "-" if r["speedup_vs_batch_1"] is None else f"{r['speedup_vs_batch_1']:.2f}x"
         lines.append(f"{name:<18} {r['tokens_per_second']:>7.1f} {r['speedup_vs_ar']:>6.2f}x {vs1:>7} "
-                     f"{r['tau']:>5.2f} {r['mean_tree_size']:>5.1f} {100 * r['ar_round_share']:>5.1f} {match:>10}")
+                     f"{r['tau']:>5.2f} {r['mean_tree_size']:>5.1f} {100 * r['ar_round_share']:>5.1f} "
+                     f"{r['mean_batch']:>5.1f} {r['draft_ms_per_round']:>8.1f} {r['verify_ms_per_round']:>9.1f} "
+                     f"{match:>10}")
     return "\n".join(lines)
