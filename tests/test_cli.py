@@ -45,6 +45,21 @@ def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
     assert "pld" in table and "speedup" in table
 
 
+def test_bench_batch_sizes(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "batch.json"
+    assert main(["bench", "--target", tiny_folder, "--limit", "3", "--methods", "pld,hf", "--budget", "4",
+                 "--batch-size", "1,2", "--max-new-tokens", "10", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    assert report["batch_sizes"] == [1, 2] and report["num_prompts"] == 3
+    rows = report["variants"]
+    assert set(rows) == {"ar B=1", "ar B=2", "pld@4 B=1", "pld@4 B=2"}
+    for name, row in rows.items():
+        assert row["matches_ar"] is True and row["prompts_matching_ar"] == 3 and row["tokens_per_second"] > 0
+        assert row["speedup_vs_batch_1"] > 0 and 1 <= row["mean_batch"] <= row["batch_size"]
+    assert rows["ar B=2"]["speedup_vs_ar"] == 1.0 and rows["pld@4 B=1"]["speedup_vs_batch_1"] == 1.0
+    assert "not batched, skipped: hf" in capsys.readouterr().out
+
+
 def test_bench_sweeps_budgets_in_one_run(tiny_folder, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--target", tiny_folder, "--dataset", "gsm8k", "--limit", "1", "--methods", "pld",
@@ -143,9 +158,10 @@ def test_serve_settings_and_the_open_address_warning(tiny_folder, monkeypatch, c
     monkeypatch.setattr(serve_app, "run", lambda *args: calls.append(args))  # no server: what it would serve
     monkeypatch.delenv("TREEFLASH_API_KEY", raising=False)
     assert main(["serve", "--target", tiny_folder, "--max-new-tokens", "7", "--max-queue", "3"]) == 0
-    target, drafter, settings, budget, max_budget, max_queue, host, port = calls[-1]
+    target, drafter, settings, budget, max_budget, max_queue, host, port, max_batch = calls[-1]
     assert (settings.model, settings.method, settings.api_key, settings.max_tokens) == (tiny_folder, "pld", None, 7)
-    assert (drafter.name, budget, max_queue, host, port) == ("pld", "auto", 3, "127.0.0.1", 8000)
+    assert (drafter.name, budget, max_queue, host, port, max_batch) == ("pld", "auto", 3, "127.0.0.1", 8000, 1)
+    assert main(["serve", "--target", tiny_folder, "--max-batch", "4"]) == 0 and calls[-1][-1] == 4
     assert "warning" not in capsys.readouterr().err
     assert main(["serve", "--target", tiny_folder, "--host", "0.0.0.0", "--served-model-name", "m"]) == 0
     assert calls[-1][2].model == "m" and "without an API key" in capsys.readouterr().err
