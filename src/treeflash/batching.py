@@ -175,7 +175,7 @@ class BatchEngine:
                  max_budget: int = DEFAULT_MAX_BUDGET):
         if budget != AUTO and (not isinstance(budget, int) or budget < 1):
             raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
-        self.target, self.batch = BatchTarget(target, max_batch), BatchDrafter(drafter)
+        self.target, self.slots, self.batch = target, BatchTarget(target, max_batch), BatchDrafter(drafter)
         self.requests: list[Request] = []
         self.budget = budget if budget != AUTO else max_budget
         self.rounds, self.draft_s, self.verify_s = 0, 0.0, 0.0  # cumulative, over the batch's rounds (for bench)
@@ -188,20 +188,20 @@ class BatchEngine:
 
     @property
     def full(self) -> bool:
-        return len(self) == self.target.max_batch
+        return len(self) == self.slots.max_batch
 
     def add(self, prompt: list[int], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
             seed: int | None = None, on_token: Callable[[int], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Request:
         """Start a sequence (its prefill runs now, alone) that joins the batch at the next round."""
-        generator = None if seed is None else torch.Generator(device=self.target.target.device).manual_seed(seed)
-        max_new_tokens = min(max_new_tokens, self.target.target.context_length - len(prompt))
-        t0 = now(self.target.target.device)
-        out = self.target.add(prompt, self.batch.taps)
+        generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
+        max_new_tokens = min(max_new_tokens, self.target.context_length - len(prompt))
+        t0 = now(self.target.device)
+        out = self.slots.add(prompt, self.batch.taps)
         first = int(sampling.choose(out.logits[-1], generator))
         seq = Sequence(prompt + [first], out.hidden, [first])
         request = Request(seq, max_new_tokens, sampling, generator,
-                          GenerationResult(seq.emitted, prefill_s=now(self.target.target.device) - t0),
+                          GenerationResult(seq.emitted, prefill_s=now(self.target.device) - t0),
                           on_token, should_stop)
         self.batch.add()
         self.requests.append(request)
@@ -216,8 +216,8 @@ class BatchEngine:
         if not self.requests:
             return done
         seqs = [r.seq for r in self.requests]
-        device = self.target.target.device
-        room = self.target.target.context_length - max(self.target.lengths) - 1  # padded trees must fit too
+        device = self.target.device
+        room = self.target.context_length - max(self.slots.lengths) - 1  # padded trees must fit too
         budget = max(min(self.budget, room), 0)
         t0 = now(device)
         drafted = budget > 0 and self.batch.name != "ar" and (self.policy is None or self.policy.should_draft())
@@ -228,9 +228,9 @@ class BatchEngine:
         else:  # plain AR steps: the drafters' contexts catch up at their next call
             trees = [DraftTree.chain(s.tokens[-1]) for s in seqs]
         t1 = now(device)
-        outs = self.target.verify(trees)
+        outs = self.slots.verify(trees)
         picks = [accept(t, o.logits, r.sampling, r.generator) for t, o, r in zip(trees, outs, self.requests)]
-        self.target.commit([path for path, _ in picks])
+        self.slots.commit([path for path, _ in picks])
         t2 = now(device)
         self.rounds, self.draft_s, self.verify_s = self.rounds + 1, self.draft_s + t1 - t0, self.verify_s + t2 - t1
         committed = 0
@@ -241,7 +241,7 @@ class BatchEngine:
             new = [tree.tokens[i] for i in path[1:]] + [bonus]
             committed += len(new)
             expected = len(new) if r.sampling.greedy else expected_accepted(tree, out.logits, r.sampling)
-            kept = r.seq.extend(new, r.max_new_tokens, self.target.target.eos_ids)
+            kept = r.seq.extend(new, r.max_new_tokens, self.target.eos_ids)
             for token in kept if r.on_token else ():
                 r.on_token(token)
             r.result.rounds.append(Round(len(kept), tree.size, t1 - t0, t2 - t1, min(expected, len(kept))))
@@ -254,7 +254,7 @@ class BatchEngine:
         for r in self.requests:
             r.finished = True
         aborted, self.requests = self.requests, []
-        self.target.lengths.clear()
+        self.slots.lengths.clear()
         self.batch.lanes.clear()
         return aborted
 
@@ -263,10 +263,10 @@ class BatchEngine:
         done = []
         for i in reversed(range(len(self.requests))):
             r = self.requests[i]
-            if r.seq.done(r.max_new_tokens, self.target.target.eos_ids) or (r.should_stop and r.should_stop()):
+            if r.seq.done(r.max_new_tokens, self.target.eos_ids) or (r.should_stop and r.should_stop()):
                 r.finished = True
                 done.append(r)
-                self.target.remove(i)
+                self.slots.remove(i)
                 self.batch.remove(i)
                 self.requests[i] = self.requests[-1]
                 self.requests.pop()

@@ -34,7 +34,7 @@ def run_batch_bench(target: Target, prompts: list[str], methods: list[str], batc
     engines = {(m, b, n): BatchEngine(target, drafters[m], n, b, max_budget)  # measures the batch costs once
                for m, b in variants for n in batch_sizes}
     for engine in engines.values():  # warm-up: first calls pay for allocations and lazy initialisation
-        engine.run(encoded[:engine.target.max_batch], 8, sampling, seed)
+        engine.run(encoded[:engine.slots.max_batch], 8, sampling, seed)
 
     stats = {key: {"tokens": 0, "seconds": 0.0, "rounds": 0, "committed": 0, "nodes": 0, "ar_rounds": 0,
                    "batch_rounds": 0, "draft_s": 0.0, "verify_s": 0.0, "outputs": None}
