@@ -27,7 +27,7 @@ import torch
 
 from .clock import now
 from .drafters.base import Drafter
-from .drafters.dflash import BlockDrafter
+from .drafters.dflash import BlockDrafter, observe_all
 from .engine import AUTO, DEFAULT_MAX_BUDGET, GenerationResult, Round, Sequence
 from .speculation import BatchCosts, Policy, VerifyCosts
 from .target import Target, TargetError, TargetOutput
@@ -137,18 +137,8 @@ class BatchDrafter:
     def _observe(self, seqs: list[Sequence]) -> None:
         """Append every sequence's newly committed positions to its lane's context: one projection for all."""
         new = [(lane, s.features) for lane, s in zip(self.lanes, seqs) if s.features is not None and len(s.features)]
-        if not new:
-            return
-        model = self.drafter.model
-        fused = model.fuse(torch.cat([f for _, f in new]))
-        positions = torch.cat([torch.arange(lane.ctx_len, lane.ctx_len + len(f)) for lane, f in new])
-        kv = model.context_kv(fused, positions.to(fused.device))
-        at = 0
-        for lane, f in new:
-            m = len(f)
-            lane.last_feature = fused[at + m - 1]
-            lane.context.append([(k[at:at + m], v[at:at + m]) for k, v in kv])
-            at += m
+        if new:
+            observe_all(*zip(*new))
         for lane, s in zip(self.lanes, seqs):
             assert lane.ctx_len == len(s.tokens) - 1, "the drafter's context must cover every committed position"
 
@@ -164,7 +154,6 @@ class Request:
     result: GenerationResult
     on_token: Callable[[int], None] | None = None
     should_stop: Callable[[], bool] | None = None
-    finished: bool = False
     data: dict = field(default_factory=dict)  # the caller's own bookkeeping (a server's request id, ...)
 
 
@@ -235,9 +224,7 @@ class BatchEngine:
         self.rounds, self.draft_s, self.verify_s = self.rounds + 1, self.draft_s + t1 - t0, self.verify_s + t2 - t1
         committed = 0
         for r, tree, out, (path, bonus) in zip(self.requests, trees, outs, picks):
-            if out.hidden is not None:
-                new_features = out.hidden[path]
-                r.seq.features = new_features if r.seq.features is None else torch.cat([r.seq.features, new_features])
+            r.seq.add_features(out.hidden, path)
             new = [tree.tokens[i] for i in path[1:]] + [bonus]
             committed += len(new)
             expected = len(new) if r.sampling.greedy else expected_accepted(tree, out.logits, r.sampling)
@@ -251,8 +238,6 @@ class BatchEngine:
 
     def abort(self) -> list[Request]:
         """Remove every sequence from the batch (after a failure): the requests that were in it."""
-        for r in self.requests:
-            r.finished = True
         aborted, self.requests = self.requests, []
         self.slots.lengths.clear()
         self.batch.lanes.clear()
@@ -264,7 +249,6 @@ class BatchEngine:
         for i in reversed(range(len(self.requests))):
             r = self.requests[i]
             if r.seq.done(r.max_new_tokens, self.target.eos_ids) or (r.should_stop and r.should_stop()):
-                r.finished = True
                 done.append(r)
                 self.slots.remove(i)
                 self.batch.remove(i)

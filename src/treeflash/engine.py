@@ -62,6 +62,11 @@ class Sequence:
     def done(self, max_new_tokens: int, eos_ids) -> bool:
         return len(self.emitted) >= max_new_tokens or self.tokens[-1] in eos_ids
 
+    def add_features(self, hidden: torch.Tensor | None, path: list[int]) -> None:
+        """Keep the target's taps of a round's accepted path (hidden: the verified tree's), for the drafter."""
+        if hidden is not None:
+            self.features = hidden[path] if self.features is None else torch.cat([self.features, hidden[path]])
+
     def extend(self, new: list[int], max_new_tokens: int, eos_ids) -> list[int]:
         """Append a round's new tokens, stopping exactly where sequential decoding would (after an EOS token, or
         at the limit). Returns the tokens kept."""
@@ -96,9 +101,7 @@ def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, bu
     path, bonus = accept(tree, out.logits, sampling, generator)
     target.commit(path)
     t2 = _now(target.device)
-    if out.hidden is not None:
-        new_features = out.hidden[path]
-        seq.features = new_features if seq.features is None else torch.cat([seq.features, new_features])
+    seq.add_features(out.hidden, path)
     new = [tree.tokens[i] for i in path[1:]] + [bonus]
     if policy:
         policy.observe([tree], [path], len(new), t1 - t0, t2 - t1, drafted)

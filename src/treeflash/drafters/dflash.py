@@ -118,13 +118,9 @@ class BlockDrafter:
     def ctx_len(self) -> int:
         return len(self.context)
 
-    @torch.no_grad()
     def observe(self, features: torch.Tensor) -> None:
         """Append the injected K/V of newly committed positions (features [m, n_taps, H])."""
-        positions = torch.arange(self.ctx_len, self.ctx_len + len(features), device=features.device)
-        fused = self.model.fuse(features)
-        self.last_feature = fused[-1]
-        self.context.append(self.model.context_kv(fused, positions))
+        observe_all([self], [features])
 
     def draft(self, tokens, features) -> torch.Tensor:
         """One drafter forward: pre-norm states [γ - 1, H] of the block after the root tokens[-1]."""
@@ -146,6 +142,22 @@ class BlockDrafter:
         if self.name == "treeflash":
             self.adapter_calls += 1  # its AR layer: one batched call whatever the budget
         return self.build(self.model, tokens, h, budget)
+
+
+@torch.no_grad()
+def observe_all(drafters: list[BlockDrafter], features: list[torch.Tensor]) -> None:
+    """`BlockDrafter.observe` for several drafters on one model (a batch's sequences): one fuse and one K/V
+    projection over all their new positions (features[i] [m_i, n_taps, H], m_i >= 1), split among their contexts."""
+    model = drafters[0].model
+    fused = model.fuse(torch.cat(features))
+    positions = torch.cat([torch.arange(d.ctx_len, d.ctx_len + len(f)) for d, f in zip(drafters, features)])
+    kv = model.context_kv(fused, positions.to(fused.device))
+    at = 0
+    for d, f in zip(drafters, features):
+        m = len(f)
+        d.last_feature = fused[at + m - 1]
+        d.context.append([(k[at:at + m], v[at:at + m]) for k, v in kv])
+        at += m
 
 
 def drafting_dtype(device: torch.device) -> torch.dtype:
