@@ -15,8 +15,10 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_lay
             pad_token_id=None)
 
 
-def tiny_target(kind: str, seed: int = 0, runtime: str = "auto", **overrides) -> Target:
-    """A tiny random Llama or Qwen3 target; `runtime` "auto" takes the static fast path, "hf" the reference."""
+def tiny_target(kind: str, seed: int = 0, runtime: str = "auto", logit_scale: float = 1.0, **overrides) -> Target:
+    """A tiny random Llama or Qwen3 target; `runtime` "auto" takes the static fast path, "hf" the reference;
+    `logit_scale` sharpens its distributions. (The fast path packs the weights when the Target is built: change
+    them before, not after.)"""
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
@@ -24,6 +26,8 @@ def tiny_target(kind: str, seed: int = 0, runtime: str = "auto", **overrides) ->
         model = Qwen3ForCausalLM(Qwen3Config(**{**TINY, "head_dim": 16, **overrides}))
     else:
         raise ValueError(kind)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
     return Target(model.float(), name=f"tiny-{kind}", runtime=runtime)
 
 

@@ -191,9 +191,7 @@ def batched_pvalue(target, sampling, drafter) -> float:
 
 
 def test_batched_sampling_is_exact_and_a_biased_rule_fails(monkeypatch):
-    target = tiny_target("llama", seed=3, vocab_size=VOCAB)
-    with torch.no_grad():
-        target.model.lm_head.weight.mul_(8)
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB, logit_scale=8)  # sharp: a biased rule shows
     assert batched_pvalue(target, Sampling(temperature=1.0), FixedTreeDrafter()) > 1e-3
     monkeypatch.setattr(treeflash.batching, "accept", biased_accept)
     assert batched_pvalue(target, Sampling(temperature=1.0), FixedTreeDrafter()) < 1e-6

@@ -7,7 +7,8 @@ What makes it lean, each against what the generic HF path does:
   writes its tokens in place and commit is ONE gather into place for all layers (no per-layer cat or slice); a
   batch of sequences is one forward over several slots, each with its own length;
 - q|k|v and gate|up are one matrix each (one GEMM instead of three / two). The HF modules are re-pointed to
-  views of the fused matrices, so nothing is stored twice and the reference path keeps working;
+  views of the fused matrices and the reference path keeps working; on the CPU every product (LM head included)
+  runs on a oneDNN-prepacked copy of its weight, which costs a second copy of the weights in memory;
 - attention is SDPA with an explicit boolean mask (none for one token); grouped-query attention folds the query
   heads of a group into the query axis instead of repeating K/V;
 - only the tapped layers' outputs are kept, and the LM head runs only at the positions asked for.
@@ -37,33 +38,40 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+def _packs(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can hold this weight prepacked: on the CPU, fp32 always, bf16 where the CPU has the
+    instructions for it (elsewhere bf16 is emulated and packing gains nothing)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class _Projection:
     """One or several nn.Linear on the same input as ONE matrix product; the HF modules are re-pointed to views
-    of the fused weight, so nothing is stored twice. On the CPU in fp32 the weight is stored transposed
-    ([in, out]): MKL's skinny fp32 GEMMs ran 1.1-1.5x faster that way (1-17 rows); bf16 is faster as [out, in]."""
+    of the fused weight, so nothing is stored twice. On the CPU the product runs on a copy of the weight prepacked
+    for oneDNN (what inductor's freezing pass does): 1.3-1.8x faster than F.linear for 1-17 rows in bf16 (equal
+    results) and 1.6-2.5x in fp32 (another summation order, as MKL's own differs between row counts)."""
 
     def __init__(self, linears: list[torch.nn.Linear]):
-        weight = torch.cat([m.weight.detach() for m in linears])  # [out, in]
-        bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
-        self.transposed = weight.dtype == torch.float32 and weight.device.type == "cpu"
-        if self.transposed:
-            self.weight = weight.t().contiguous()
-            weight = self.weight.t()
-        else:
-            self.weight = weight
-        self.bias, row = bias, 0
-        for m in linears:
+        single = len(linears) == 1  # used as it is: a tied LM head stays tied to the embeddings
+        weight = linears[0].weight.detach() if single else torch.cat([m.weight.detach() for m in linears])
+        bias = None
+        if linears[0].bias is not None:
+            bias = linears[0].bias.detach() if single else torch.cat([m.bias.detach() for m in linears])
+        self.weight, self.bias, row = weight, bias, 0
+        for m in linears if not single else ():
             n = m.weight.shape[0]
             m.weight = torch.nn.Parameter(weight[row:row + n], requires_grad=False)
             if bias is not None:
                 m.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
             row += n
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if _packs(weight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.transposed:
+        if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        y = x @ self.weight
-        return y if self.bias is None else y + self.bias
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class _Layer:
@@ -146,7 +154,7 @@ class StaticDecoder:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
         self.max_positions = int(c.max_position_embeddings)
         inner = model.model
-        self.embed, self.final_norm, self.lm_head = inner.embed_tokens, inner.norm, model.lm_head
+        self.embed, self.final_norm, self.lm_head = inner.embed_tokens, inner.norm, _Projection([model.lm_head])
         self.act = ACT2FN[c.hidden_act]
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.dtype, self.device = model.dtype, model.device
