@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 
 from treeflash import DraftTree, Sampling, generate
 from treeflash.drafters import BlockDrafter, make_drafter

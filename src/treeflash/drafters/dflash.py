@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..clock import now
 from ..models.dflash import ContextCache, DFlashDrafter, DrafterError, draft_vocab
+from ..models.packed import pack_linears
 from ..target import native_bf16
 from ..tree import DraftTree
 from ..trees import best_first_tree, chain_tree, opt_tree
@@ -168,10 +169,10 @@ def drafting_dtype(device: torch.device) -> torch.dtype:
 
 def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = None) -> DFlashDrafter:
     """A drafter checkpoint attached to `target`, in the drafting dtype, scoring its draft vocabulary
-    (`draft_vocab_size`: None: the config's, 0: every token)."""
+    (`draft_vocab_size`: None: the config's, 0: every token), its products on packed weights (inference only)."""
     model = DFlashDrafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     model = model.attach(target.model).to(target.device)
-    return model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size))
+    return pack_linears(model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size)))
 
 
 def load_block_drafter(method: str, target, path: str | Path | None = None,

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..models.dflash import DFlashDrafter
+from ..models.packed import pack_linears
 from ..models.weaver import BranchCache, Weaver
 from ..tree import DraftTree
 from ..trees import parallel_tree
@@ -74,4 +75,5 @@ def load_weaver_drafter(target, drafter_path: str | Path | None, weaver_path: st
     model = load_drafter_model(target, drafter_path, draft_vocab_size)
     weaver = Weaver.from_pretrained(weaver_path, drafting_dtype(target.device),
                                     backbone=model.dflash_folder(drafter_path)).to(target.device)
+    pack_linears(weaver)
     return WeaverDrafter(model, weaver, width)

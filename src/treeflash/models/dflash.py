@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import packed
 from .blocks import Layer, RMSNorm
 from .checkpoint import DrafterError, load_strict, read_weights, save_checkpoint, weights_digest
 
@@ -191,7 +191,7 @@ class DFlashDrafter(nn.Module):
         if c.mask_token_id is None:  # deprecated (older treeflash drafters): a learned mask embedding
             self.mask_embedding = nn.Parameter(0.02 * torch.randn(c.hidden_size))
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered as submodules
-        self._head_cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (the head's weight, its cast rows)
+        self._head_cast: tuple | None = None  # (the head's weight, its cast rows, their packed copy or None)
         self.draft_vocab: torch.Tensor | None = None  # inference only: token ids the LM head scores (use_draft_vocab)
         self.backbone_folder: Path | None = None  # loaded as an AR layer over this DFlash folder (see save_pretrained)
         self.apply(self._init)
@@ -290,18 +290,17 @@ class DFlashDrafter(nn.Module):
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, then the target's LM head on the scored tokens (the draft vocabulary, else all) [..., S], in
         the drafter's dtype: a bf16 drafter over an fp32 target multiplies by a bf16 copy of the head's rows (made
-        once), the costliest product of a drafting round."""
+        once, and packed where `packed` can), the costliest product of a drafting round."""
         x = self.norm(h).to(self.fc.weight.dtype)
         head = self.lm_head
-        if head.weight.dtype == x.dtype and self.draft_vocab is None:
-            return head(x)
         if self._head_cast is None or self._head_cast[0] is not head.weight:
             rows = head.weight.detach() if self.draft_vocab is None else head.weight.detach()[self.draft_vocab]
-            self._head_cast = (head.weight, rows.to(x.dtype).contiguous())
+            rows = rows.to(x.dtype).contiguous()
+            self._head_cast = (head.weight, rows, packed.pack(rows))
         bias = getattr(head, "bias", None)
         if bias is not None and self.draft_vocab is not None:
             bias = bias[self.draft_vocab]
-        return F.linear(x, self._head_cast[1], bias)
+        return packed.linear(x, self._head_cast[1], self._head_cast[2], bias)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary [..., V]: `scores`, with -inf for the tokens outside the draft vocabulary."""

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from .packed import linear, pack
+
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
 
@@ -38,20 +40,9 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _packs(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can hold this weight prepacked: on the CPU, fp32 always, bf16 where the CPU has the
-    instructions for it (elsewhere bf16 is emulated and packing gains nothing)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 class _Projection:
     """One or several nn.Linear on the same input as ONE matrix product; the HF modules are re-pointed to views
-    of the fused weight, so nothing is stored twice. On the CPU the product runs on a copy of the weight prepacked
-    for oneDNN (what inductor's freezing pass does): 1.3-1.8x faster than F.linear for 1-17 rows in bf16 (equal
-    results) and 1.6-2.5x in fp32 (another summation order, as MKL's own differs between row counts)."""
+    of the fused weight. On the CPU the product runs on a copy of the weight prepacked for oneDNN (`packed`)."""
 
     def __init__(self, linears: list[torch.nn.Linear]):
         single = len(linears) == 1  # used as it is: a tied LM head stays tied to the embeddings
@@ -66,12 +57,10 @@ class _Projection:
             if bias is not None:
                 m.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
             row += n
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if _packs(weight) else None
+        self.packed = pack(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 class _Layer:
