@@ -147,12 +147,21 @@ class StaticDecoder:
         self.act = ACT2FN[c.hidden_act]
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.dtype, self.device = model.dtype, model.device
-        with torch.no_grad():  # the RoPE table of every position, from the model's own rotary module
-            positions = torch.arange(self.max_positions, device=self.device)[None]
-            dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = inner.rotary_emb(dummy, positions)
-        self.cos, self.sin = cos[0], sin[0]  # [positions, head_dim], in the model's dtype (as HF applies them)
+        self.rotary = inner.rotary_emb
+        self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        self._rope_table(capacity)
         self.cache = self.new_cache(1, capacity)
+
+    @torch.no_grad()
+    def _rope_table(self, length: int) -> None:
+        """cos / sin [positions, head_dim] of positions 0..length-1 at least, from the model's own rotary module,
+        in the model's dtype (as HF applies them); grown by doubling, never past the model's context."""
+        if length <= len(self.cos):
+            return
+        length = min(max(length, 2 * len(self.cos)), self.max_positions)
+        positions = torch.arange(length, device=self.device)[None]
+        cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
+        self.cos, self.sin = cos[0], sin[0]
 
     def new_cache(self, slots: int, capacity: int = 1024) -> KVCache:
         return KVCache(self, slots, capacity)
@@ -180,6 +189,7 @@ class StaticDecoder:
         cache.reserve(end, keep=max(starts))
         g = self.heads // self.kv_heads
         hd, qd, kvd = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self._rope_table(end)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, n, head_dim]
         slots = slice(first_slot, first_slot + B)
         even = all(s == starts[0] for s in starts)  # one start: slices; else one indexed write per layer
