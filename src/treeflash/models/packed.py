@@ -1,6 +1,6 @@
 """Linear products on weights prepacked for oneDNN, as inductor's freezing pass runs them on the CPU, without
-compiling anything. On a 2-core EPYC they ran 1.3-1.8x faster than F.linear for 1-17 rows in bf16 (equal results)
-and 1.6-2.5x in fp32 (another summation order, as MKL's own order differs between row counts).
+compiling anything: faster than F.linear for the few rows of decoding, with equal results in bf16 and another
+summation order in fp32 (docs/results/speed).
 
 Inference only: the packed copy is made once and does not follow later changes to the weight, and it has no
 gradient (with autograd on, the plain weight is used)."""

@@ -45,19 +45,21 @@ class _Projection:
     of the fused weight. On the CPU the product runs on a copy of the weight prepacked for oneDNN (`packed`)."""
 
     def __init__(self, linears: list[torch.nn.Linear]):
-        single = len(linears) == 1  # used as it is: a tied LM head stays tied to the embeddings
-        weight = linears[0].weight.detach() if single else torch.cat([m.weight.detach() for m in linears])
-        bias = None
-        if linears[0].bias is not None:
-            bias = linears[0].bias.detach() if single else torch.cat([m.bias.detach() for m in linears])
-        self.weight, self.bias, row = weight, bias, 0
-        for m in linears if not single else ():
-            n = m.weight.shape[0]
-            m.weight = torch.nn.Parameter(weight[row:row + n], requires_grad=False)
-            if bias is not None:
-                m.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
-            row += n
-        self.packed = pack(weight)
+        has_bias = linears[0].bias is not None
+        if len(linears) == 1:  # as it is: a tied LM head stays tied to the embeddings
+            self.weight = linears[0].weight.detach()
+            self.bias = linears[0].bias.detach() if has_bias else None
+        else:
+            self.weight = torch.cat([m.weight.detach() for m in linears])  # [out, in]
+            self.bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+            row = 0
+            for m in linears:
+                n = m.weight.shape[0]
+                m.weight = torch.nn.Parameter(self.weight[row:row + n], requires_grad=False)
+                if has_bias:
+                    m.bias = torch.nn.Parameter(self.bias[row:row + n], requires_grad=False)
+                row += n
+        self.packed = pack(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.packed, self.bias)
