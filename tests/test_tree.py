@@ -56,3 +56,18 @@ def test_chain():
 def test_invalid_trees_are_refused(tokens, parents, msg):
     with pytest.raises(TreeError, match=msg):
         DraftTree.from_parents(tokens, parents)
+
+
+def test_prompt_lookup_votes_rank_its_tree():
+    from treeflash.drafters.pld import PromptLookupDrafter, vote_tree
+
+    # three matches of the last token 7: two go on with 8 9, the most recent with 5
+    tokens = [7, 8, 9, 1, 7, 8, 9, 2, 7, 5, 3, 7]
+    paths = PromptLookupDrafter(max_ngram=1, max_depth=2).continuations(tokens)
+    assert paths == [[5, 3], [8, 9], [8, 9]]
+    tree = vote_tree(7, paths, budget=8)
+    assert tree.tokens == (7, 8, 9, 5, 3)  # the two votes first, then the most recent match
+    assert tree.parents == (-1, 0, 1, 0, 3)
+    assert tree.probs == pytest.approx((1.0, 2 / 3, 1.0, 1 / 3, 1.0))
+    assert vote_tree(7, paths, budget=3) == tree.prefix(3)
+    assert vote_tree(7, [], budget=4).size == 0

@@ -2,7 +2,9 @@
 
 Each earlier occurrence of the sequence's last n tokens (longest n first, most recent first) proposes the tokens
 that followed it. When several matches disagree, their continuations are merged into one tree, so the target
-picks whichever continuation is right in a single verification.
+picks whichever continuation is right in a single verification. A node's probability given its parent is the share
+of the parent's matches that go on with it (the votes), and nodes come best first: most votes, then the earliest
+match, then the shallowest; cost-aware speculation calibrates those shares against what the target accepts.
 """
 
 from __future__ import annotations
@@ -35,4 +37,26 @@ class PromptLookupDrafter:
         return paths
 
     def propose(self, tokens, features, budget) -> DraftTree:
-        return DraftTree.from_paths(tokens[-1], self.continuations(tokens), budget=budget)
+        return vote_tree(tokens[-1], self.continuations(tokens), budget)
+
+
+def vote_tree(root: int, paths: list[list[int]], budget: int) -> DraftTree:
+    """The trie of `paths` (the earliest first), best first, cut to `budget` nodes, with vote-share probabilities.
+    A node never has more votes than its parent, nor an earlier first path, so the order keeps parents first and
+    every prefix of it is a tree."""
+    votes: dict[tuple[int, ...], int] = {(): len(paths)}
+    first: dict[tuple[int, ...], int] = {}
+    for i, path in enumerate(paths):
+        for depth in range(1, len(path) + 1):
+            key = tuple(path[:depth])
+            votes[key] = votes.get(key, 0) + 1
+            first.setdefault(key, i)
+    order = sorted(first, key=lambda key: (-votes[key], first[key], len(key)))[:budget]
+    index = {(): 0}
+    tokens, parents, probs = [root], [-1], [1.0]
+    for key in order:
+        index[key] = len(tokens)
+        tokens.append(key[-1])
+        parents.append(index[key[:-1]])
+        probs.append(votes[key] / votes[key[:-1]])
+    return DraftTree.from_parents(tokens, parents, probs)
