@@ -9,7 +9,8 @@
 #    dev set is never regenerated nor trained on); docs/data/regen-manifest.json records what the folders hold;
 # 2. the DFlash drafter, in the published format (a real mask token), and its FR-Spec token ranking;
 # 3. the TreeFlash AR layer and the Weaver on the frozen DFlash drafter, side by side, one thread each;
-# 4. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the new drafters, with `paired`, into $RUNS/eval.
+# 4. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the new drafters, with `paired`, into $RUNS/eval, and
+#    the learning curves: tau on chat-dev and GSM8K of every snapshot kept during training.
 # Shipping is a decision, not a step: copy the new folders into src/treeflash/checkpoints only if they beat the
 # shipped ones on every domain, and write the model cards from $RUNS/eval.
 set -euo pipefail
@@ -45,10 +46,28 @@ OMP_NUM_THREADS=1 $TF train weaver --backbone "$RUNS/dflash/drafter" --data "$DA
     --out "$RUNS/weaver" --steps "$WEAVER_STEPS" --lr 1e-3 "${TRAIN[@]}" &
 wait -n && wait -n  # both must succeed
 
-echo "== 4. tau per domain"
+echo "== 4. tau per domain, and learning curves (tau on chat-dev and GSM8K of every kept snapshot)"
 mkdir -p "$RUNS/eval"
+paired() {  # paired OUT ARGS...: skipped when OUT exists, so that a rerun picks up where it stopped
+    local out=$1; shift
+    [ -f "$out" ] || $TF paired --limit 10 --max-new-tokens 128 --budget 16 --no-progress "$@" --out "$out.tmp"
+    [ -f "$out" ] || mv "$out.tmp" "$out"
+}
 for dataset in chat-dev gsm8k humaneval mbpp; do
-    $TF paired --dataset "$dataset" --limit 10 --max-new-tokens 128 --budget 16 --methods ddtree,treeflash,tfm \
-        --drafter "$RUNS/treeflash/drafter" --weaver "$RUNS/weaver/weaver" --out "$RUNS/eval/paired-$dataset.json"
+    paired "$RUNS/eval/paired-$dataset.json" --dataset "$dataset" --methods ddtree,treeflash,tfm \
+        --drafter "$RUNS/treeflash/drafter" --weaver "$RUNS/weaver/weaver"
+done
+for dataset in chat-dev gsm8k; do
+    for snap in "$RUNS"/dflash/drafter-step*; do
+        paired "$RUNS/eval/curve-dflash-${snap##*-}-$dataset.json" --dataset "$dataset" --methods ddtree --drafter "$snap"
+    done
+    for snap in "$RUNS"/treeflash/drafter-step*; do
+        paired "$RUNS/eval/curve-treeflash-${snap##*-}-$dataset.json" --dataset "$dataset" --methods treeflash \
+            --drafter "$snap"
+    done
+    for snap in "$RUNS"/weaver/weaver-step*; do
+        paired "$RUNS/eval/curve-weaver-${snap##*-}-$dataset.json" --dataset "$dataset" --methods tfm \
+            --drafter "$RUNS/dflash/drafter" --weaver "$snap"
+    done
 done
 echo "done: compare $RUNS/eval with the shipped drafters' figures before shipping"
