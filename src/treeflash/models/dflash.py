@@ -296,7 +296,8 @@ class DFlashDrafter(nn.Module):
         if self._head_cast is None or self._head_cast[0] is not head.weight:
             rows = head.weight.detach() if self.draft_vocab is None else head.weight.detach()[self.draft_vocab]
             rows = rows.to(x.dtype).contiguous()
-            self._head_cast = (head.weight, rows, packed.pack(rows))
+            # packed for inference only: training multiplies by the plain rows, so a packed copy would only cost memory
+            self._head_cast = (head.weight, rows, None if torch.is_grad_enabled() else packed.pack(rows))
         bias = getattr(head, "bias", None)
         if bias is not None and self.draft_vocab is not None:
             bias = bias[self.draft_vocab]
