@@ -9,8 +9,8 @@
 #    dev set is never regenerated nor trained on); docs/data/regen-manifest.json records what the folders hold;
 # 2. the DFlash drafter, in the published format (a real mask token), and its FR-Spec token ranking;
 # 3. the TreeFlash AR layer and the Weaver on the frozen DFlash drafter, side by side, one thread each;
-# 4. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the new drafters, with `paired`, into $RUNS/eval, and
-#    the learning curves: tau on chat-dev and GSM8K of every snapshot kept during training.
+# 4. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the new drafters and of the shipped ones, with `paired`,
+#    into $RUNS/eval, and the learning curves: tau on chat-dev and GSM8K of every snapshot kept during training.
 # Shipping is a decision, not a step: copy the new folders into src/treeflash/checkpoints only if they beat the
 # shipped ones on every domain, and write the model cards from $RUNS/eval.
 set -euo pipefail
@@ -19,9 +19,9 @@ cd "$(dirname "$0")/.."
 TF=.venv/bin/treeflash
 DATA_DIR=${DATA_DIR:-../treeflash-data}  # outside the repository: docs/data/README.md
 RUNS=${RUNS:-runs/all}
-DFLASH_STEPS=${DFLASH_STEPS:-4400}       # 4 sequences a step: about one pass over greedy + sampled answers
-TREEFLASH_STEPS=${TREEFLASH_STEPS:-2200}
-WEAVER_STEPS=${WEAVER_STEPS:-2200}
+DFLASH_STEPS=${DFLASH_STEPS:-2000}       # 4 sequences a step: about half a pass over greedy + sampled answers
+TREEFLASH_STEPS=${TREEFLASH_STEPS:-600}
+WEAVER_STEPS=${WEAVER_STEPS:-600}
 REGEN=(--batch-size 48 --max-new-tokens 256 --dtype bfloat16)
 TRAIN=(--batch-size 4 --num-anchors 32 --max-len 512 --save-every 50 --keep-every 500 --log-every 10)
 
@@ -54,8 +54,10 @@ paired() {  # paired OUT ARGS...: skipped when OUT exists, so that a rerun picks
     [ -f "$out" ] || mv "$out.tmp" "$out"
 }
 for dataset in chat-dev gsm8k humaneval mbpp; do
-    paired "$RUNS/eval/paired-$dataset.json" --dataset "$dataset" --methods ddtree,treeflash,tfm \
+    paired "$RUNS/eval/paired-$dataset.json" --dataset "$dataset" --methods dflash,ddtree,treeflash,tfm \
         --drafter "$RUNS/treeflash/drafter" --weaver "$RUNS/weaver/weaver"
+    # the same for the drafters shipped now (the defaults): at T = 0 both follow the target's greedy continuation
+    paired "$RUNS/eval/shipped-$dataset.json" --dataset "$dataset" --methods dflash,ddtree,treeflash,tfm
 done
 for dataset in chat-dev gsm8k; do
     for snap in "$RUNS"/dflash/drafter-step*; do

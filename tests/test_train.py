@@ -154,8 +154,8 @@ def test_regen_is_batched_and_resumable(tmp_path, tiny_folder):  # noqa: F811
     held = json.loads(out.read_text())["regen"]
     assert held["answers"] == 5 and held["by_source"]["gsm8k T=0"]["answers"] == 5
     assert held["by_source"]["gsm8k T=0"]["tokens"] == sum(len(r["response_ids"]) for r in rows)
-    assert [r["event"] for r in held["runs"]] == ["started", "finished"] * 2
-    assert [r["prompts"] for r in held["runs"][1::2]] == [5, 0]
+    assert [r["event"] for r in held["runs"]] == ["started", "finished"]  # the resume that made nothing is left out
+    assert held["runs"][1]["prompts"] == 5
     assert all(r["commit"] == source_commit() for r in held["runs"])  # the checkout's HEAD (None outside git)
 
 

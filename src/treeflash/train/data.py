@@ -170,7 +170,12 @@ def manifest(data_dirs: str) -> dict:
             c["answers"] += 1
             c["tokens"] += len(row["response_ids"])
         runs_file = Path(data_dir) / RUNS_FILE
-        runs = read_jsonl(runs_file) if runs_file.is_file() else []
+        runs: list[dict] = []
+        for run in read_jsonl(runs_file) if runs_file.is_file() else []:
+            if run["event"] == "finished" and run["prompts"] == 0 and runs and runs[-1]["event"] == "started":
+                runs.pop()  # a resume that found nothing left to answer made no data
+            else:
+                runs.append(run)
         folders[Path(data_dir).name] = {"answers": sum(c["answers"] for c in counts.values()),
                                         "by_source": dict(sorted(counts.items())), "runs": runs}
     return folders
