@@ -82,3 +82,18 @@ def test_the_reference_implementation_loads_an_export(tmp_path, tiny_folder):  #
         ctx_kv = ours.context_kv(ours.fuse(taps), torch.arange(C))
         states = ours.hidden(ours.block_inputs(torch.tensor([root])), torch.arange(C, C + g), ctx_kv, None)
         torch.testing.assert_close(ours.norm(states), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_the_shipped_drafters_export(tmp_path):
+    """The shipped SmolLM2 drafters are in the published DFlash format, so they export; their TreeFlash AR layer,
+    half the MLP's width to keep the shipped weights small, stays in treeflash's own layout (said in the README)."""
+    from treeflash.drafters.dflash import shipped_drafter
+    from treeflash.models.export import export_drafter
+
+    dflash = export_drafter(shipped_drafter("smollm2-135m-instruct", "dflash"), tmp_path / "d", "smollm2-135m-instruct")
+    assert dflash["mask_token_id"] == 16 and dflash["treeflash"] is None  # <empty_output>
+    treeflash = export_drafter(shipped_drafter("smollm2-135m-instruct", "treeflash"), tmp_path / "t",
+                               "smollm2-135m-instruct")
+    assert treeflash["treeflash"].startswith("not written")
+    for out in ("d", "t"):  # the same DFlash drafter either way
+        assert (tmp_path / out / "model.safetensors").read_bytes() == (tmp_path / "d" / "model.safetensors").read_bytes()

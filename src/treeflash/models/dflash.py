@@ -451,10 +451,9 @@ def _current_ar_layer(state: dict[str, torch.Tensor], final_norm: torch.Tensor |
 
 
 def _warn_learned_mask(folder: Path) -> None:
-    """The deprecation warning of the learned mask embedding, once per folder. Not for the drafters shipped inside
-    treeflash: their users cannot act on it (they are retrained in the published format with the next data)."""
+    """The deprecation warning of the learned mask embedding, once per folder."""
     folder = folder.resolve()
-    if folder in _warned or folder.parent == Path(__file__).resolve().parent.parent / "checkpoints":
+    if folder in _warned:
         return
     _warned.add(folder)
     warnings.warn(f"the drafter in {folder} has a learned mask embedding instead of a mask token id: other engines "

@@ -172,7 +172,7 @@ def manifest(data_dirs: str) -> dict:
         runs_file = Path(data_dir) / RUNS_FILE
         runs: list[dict] = []
         for run in read_jsonl(runs_file) if runs_file.is_file() else []:
-            if run["event"] == "finished" and run["prompts"] == 0 and runs and runs[-1]["event"] == "started":
+            if run["event"] == "finished" and run.get("prompts") == 0 and runs and runs[-1]["event"] == "started":
                 runs.pop()  # a resume that found nothing left to answer made no data
             else:
                 runs.append(run)
