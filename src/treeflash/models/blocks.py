@@ -22,9 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        return (self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(dtype)
+        # in fp32 whatever the storage dtype, one fused op (a hand-written norm costs 8 dispatches)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -59,21 +58,28 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None, ctx_len: int | None = None) -> torch.Tensor:
         """h [..., T, H] block states; ctx_k/v [..., C, kv_heads, head_dim]; mask [T, C + T] bool, or
         [B, 1, T, C + T] for a batch (None: see all). With `ctx_len` (one sequence), ctx_k/v are static buffers
-        (ContextCache) holding the context in their first ctx_len rows: the block's K/V are written after it, in
-        place, instead of concatenated to a copy of the context."""
+        [kv_heads, capacity, head_dim] (ContextCache) holding the context in their first ctx_len rows: the block's
+        K/V are written after it, in place, instead of concatenated to a copy of the context."""
         c = self.c
         q = rope(self.q_norm(self.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
                  c.rope_theta)
         k, v = self.kv(h, positions)
+        q = q.transpose(-3, -2)  # [..., heads, T, head_dim]
         if ctx_len is None:
-            k, v = torch.cat([ctx_k, k], dim=-3), torch.cat([ctx_v, v], dim=-3)
+            k, v = (torch.cat([ctx, new], dim=-3).transpose(-3, -2) for ctx, new in ((ctx_k, k), (ctx_v, v)))
         else:
             end = ctx_len + len(h)
-            ctx_k[ctx_len:end], ctx_v[ctx_len:end] = k, v
-            k, v = ctx_k[:end], ctx_v[:end]
-        q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [..., heads, T, head_dim]
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                             enable_gqa=c.num_attention_heads != c.num_key_value_heads)
+            ctx_k[:, ctx_len:end], ctx_v[:, ctx_len:end] = k.transpose(0, 1), v.transpose(0, 1)
+            k, v = ctx_k[:, :end], ctx_v[:, :end]
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        groups = c.num_attention_heads // c.num_key_value_heads
+        if mask is None and q.dim() == 3:
+            # one unmasked block: the query heads of a KV head become rows of that head (no K/V repeat), the
+            # layout CPU SDPA runs fastest (the GQA path copies the context's K/V every call)
+            out = F.scaled_dot_product_attention(q.reshape(c.num_key_value_heads, groups * len(h), c.head_dim),
+                                                 k, v).view(q.shape)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
         return self.o_proj(out.transpose(-3, -2).flatten(-2))
 
 

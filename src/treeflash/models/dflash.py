@@ -145,13 +145,14 @@ class DFlashConfig:
 
 
 class ContextCache:
-    """The injected context K/V of one sequence in preallocated buffers [layers, capacity, kv_heads, head_dim]:
-    appending copies only the new positions, and a drafting forward writes its block's K/V after the context
-    in place (nothing is concatenated per round). The buffers double when they must grow."""
+    """The injected context K/V of one sequence in preallocated buffers [layers, kv_heads, capacity, head_dim]
+    (head-major, so that a layer's context is one strided view per head, the layout SDPA's kernels read): appending
+    copies only the new positions, and a drafting forward writes its block's K/V after the context in place
+    (nothing is concatenated per round). The buffers double when they must grow."""
 
     def __init__(self, model: "DFlashDrafter", capacity: int = 512):
         c, w = model.config, model.fc.weight
-        shape = (c.num_hidden_layers, capacity, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, c.num_key_value_heads, capacity, c.head_dim)
         self.k, self.v = w.new_zeros(shape), w.new_zeros(shape)
         self.length = 0
 
@@ -159,23 +160,25 @@ class ContextCache:
         return self.length
 
     def reserve(self, length: int) -> None:
-        if length > self.k.shape[1]:
+        if length > self.k.shape[2]:
             k, v = self.k, self.v
-            shape = (k.shape[0], max(length, 2 * k.shape[1]), *k.shape[2:])
+            shape = (*k.shape[:2], max(length, 2 * k.shape[2]), k.shape[3])
             self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
-            self.k[:, :self.length], self.v[:, :self.length] = k[:, :self.length], v[:, :self.length]
+            self.k[:, :, :self.length], self.v[:, :, :self.length] = k[:, :, :self.length], v[:, :, :self.length]
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Per layer (k, v) [m, kv_heads, head_dim] of m new positions."""
         m = len(kv[0][0])
         self.reserve(self.length + m)
         for i, (k, v) in enumerate(kv):
-            self.k[i, self.length:self.length + m], self.v[i, self.length:self.length + m] = k, v
+            self.k[i, :, self.length:self.length + m] = k.transpose(0, 1)
+            self.v[i, :, self.length:self.length + m] = v.transpose(0, 1)
         self.length += m
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, views of the context's (k, v)."""
-        return [(k[:self.length], v[:self.length]) for k, v in zip(self.k, self.v)]
+        """Per layer, views of the context's (k, v) [length, kv_heads, head_dim]."""
+        return [(k[:, :self.length].transpose(0, 1), v[:, :self.length].transpose(0, 1))
+                for k, v in zip(self.k, self.v)]
 
 
 class DFlashDrafter(nn.Module):
@@ -348,8 +351,8 @@ class DFlashDrafter(nn.Module):
         mask = ((keys < lengths[:, None]) | (keys >= longest))[:, None, None, :]  # [B, 1, 1, C + T]
         h = x.to(self.fc.weight.dtype)
         for i, layer in enumerate(self.layers):
-            k = nn.utils.rnn.pad_sequence([c.k[i, :len(c)] for c in contexts], batch_first=True)
-            v = nn.utils.rnn.pad_sequence([c.v[i, :len(c)] for c in contexts], batch_first=True)
+            k = nn.utils.rnn.pad_sequence([c.k[i, :, :len(c)].transpose(0, 1) for c in contexts], batch_first=True)
+            v = nn.utils.rnn.pad_sequence([c.v[i, :, :len(c)].transpose(0, 1) for c in contexts], batch_first=True)
             h = layer(h, positions, k, v, mask)
         return h[:, 1:]
 
