@@ -221,19 +221,20 @@ class BatchEngine:
         picks = [accept(t, o.logits, r.sampling, r.generator) for t, o, r in zip(trees, outs, self.requests)]
         self.slots.commit([path for path, _ in picks])
         t2 = now(device)
-        self.rounds, self.draft_s, self.verify_s = self.rounds + 1, self.draft_s + t1 - t0, self.verify_s + t2 - t1
-        committed = 0
+        news = []
         for r, tree, out, (path, bonus) in zip(self.requests, trees, outs, picks):
             r.seq.add_features(out.hidden, path)
-            new = [tree.tokens[i] for i in path[1:]] + [bonus]
-            committed += len(new)
+            news.append([tree.tokens[i] for i in path[1:]] + [bonus])
+        if self.policy:
+            self.policy.observe(trees, [path for path, _ in picks], sum(map(len, news)), t1 - t0, t2 - t1, drafted)
+        t3 = now(device)  # the round's bookkeeping is part of its time (what bench's tokens per second count)
+        self.rounds, self.draft_s, self.verify_s = self.rounds + 1, self.draft_s + t1 - t0, self.verify_s + t3 - t1
+        for r, tree, out, new in zip(self.requests, trees, outs, news):
             expected = len(new) if r.sampling.greedy else expected_accepted(tree, out.logits, r.sampling)
             kept = r.seq.extend(new, r.max_new_tokens, self.target.eos_ids)
             for token in kept if r.on_token else ():
                 r.on_token(token)
-            r.result.rounds.append(Round(len(kept), tree.size, t1 - t0, t2 - t1, min(expected, len(kept))))
-        if self.policy:
-            self.policy.observe(trees, [path for path, _ in picks], committed, t1 - t0, t2 - t1, drafted)
+            r.result.rounds.append(Round(len(kept), tree.size, t1 - t0, t3 - t1, min(expected, len(kept))))
         return done + self._retire()
 
     def abort(self) -> list[Request]:
