@@ -41,6 +41,10 @@ def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
         assert m["tokens_per_second"] > 0 and m["speedup_vs_ar"] > 0
         assert m["matches_ar"] is True and 2 <= m["new_tokens"] <= 24
     assert report["methods"]["ar"]["tau"] == 1.0
+    ar, pld = report["methods"]["ar"], report["methods"]["pld"]
+    assert ar["drafting_round_share"] == 0 and ar["draft_ms_per_drafting_round"] == 0  # ar never drafts
+    # every round either ran the drafter or was an AR step that skipped it
+    assert pld["drafting_round_share"] + pld["ar_round_share"] >= 1 - 1e-9 and pld["verify_ms_per_drafting_round"] >= 0
     table = capsys.readouterr().out
     assert "pld" in table and "speedup" in table
 

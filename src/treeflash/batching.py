@@ -234,7 +234,8 @@ class BatchEngine:
             kept = r.seq.extend(new, r.max_new_tokens, self.target.eos_ids)
             for token in kept if r.on_token else ():
                 r.on_token(token)
-            r.result.rounds.append(Round(len(kept), tree.size, t1 - t0, t3 - t1, min(expected, len(kept))))
+            r.result.rounds.append(Round(len(kept), tree.size, t1 - t0, t3 - t1, min(expected, len(kept)),
+                                           drafted))
         return done + self._retire()
 
     def abort(self) -> list[Request]:

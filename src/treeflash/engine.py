@@ -30,6 +30,7 @@ class Round:
     draft_s: float
     verify_s: float  # verification, acceptance, commit and the round's bookkeeping
     expected: float  # E[accepted | tree] (verify.expected_accepted): equal to `accepted` at T = 0
+    drafted: bool = True  # False: cost-aware speculation skipped the drafter (a plain AR step)
 
 
 @dataclass
@@ -107,7 +108,7 @@ def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, bu
         policy.observe([tree], [path], len(new), t1 - t0, t2 - t1, drafted)
     t3 = _now(target.device)  # the round's bookkeeping is part of its time (what bench's tokens per second count)
     expected = len(new) if sampling.greedy else expected_accepted(tree, out.logits, sampling)  # a measure: not timed
-    return new, tree, out.logits, Round(len(new), tree.size, t1 - t0, t3 - t1, expected)
+    return new, tree, out.logits, Round(len(new), tree.size, t1 - t0, t3 - t1, expected, drafted)
 
 
 def generate(

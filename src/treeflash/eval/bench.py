@@ -61,6 +61,9 @@ class Totals:
     draft_s: float = 0.0  # the drafter's whole turn: its forward and the tree build
     forward_s: float = 0.0  # of which the block drafter's forward
     verify_s: float = 0.0
+    drafting_rounds: int = 0  # rounds in which the drafter ran (the others: AR steps that skipped it)
+    drafting_draft_s: float = 0.0  # their drafting (with the drafter's catch-up after AR steps) ...
+    drafting_verify_s: float = 0.0  # ... and verification, at the size they chose
     adapter_calls: int = 0  # sequential AR-layer / Weaver calls
     outputs: list[list[int]] = field(default_factory=list)
 
@@ -122,6 +125,10 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             t.ar_rounds += sum(x.tree_size == 0 for x in rounds)
             t.draft_s += sum(x.draft_s for x in rounds)
             t.verify_s += sum(x.verify_s for x in rounds)
+            drafting = [x for x in rounds if x.drafted and v.method != "ar"]
+            t.drafting_rounds += len(drafting)
+            t.drafting_draft_s += sum(x.draft_s for x in drafting)
+            t.drafting_verify_s += sum(x.verify_s for x in drafting)
     bar.close()
 
     ar = totals[runs[0]]
@@ -151,6 +158,10 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             "tree_build_ms_per_round": (t.draft_s - t.forward_s) * per_round,
             "adapter_calls_per_round": t.adapter_calls / max(t.rounds, 1),
             "verify_ms_per_round": t.verify_s * per_round,
+            # the rounds that ran the drafter (probes after AR steps included): what one costs, at the size chosen
+            "drafting_round_share": t.drafting_rounds / max(t.rounds, 1),
+            "draft_ms_per_drafting_round": 1e3 * t.drafting_draft_s / max(t.drafting_rounds, 1),
+            "verify_ms_per_drafting_round": 1e3 * t.drafting_verify_s / max(t.drafting_rounds, 1),
         }
     for name, why in skipped.items():
         report[name] = {"method": name, "skipped": why}
@@ -160,9 +171,11 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
 def format_table(methods: dict) -> str:
     """τ (E[tau]: its expectation given the trees, less noisy at T > 0), speed, exactness, the chosen tree size and
     share of AR rounds, and the cost of a round: drafter forward, tree build (AR layer / Weaver calls included),
-    target verification (with acceptance and commit)."""
+    target verification (with acceptance and commit), each per round; then the drafting rounds alone ("dr", the
+    rounds that ran the drafter): their drafting and verification ms, at the tree size they chose."""
     head = (f"{'method':<14} {'tau':>6} {'E[tau]':>6} {'tok/s':>7} {'speedup':>8} {'matches_ar':>10} {'new_tok':>7} "
-            f"{'size':>5} {'AR %':>5} {'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9}")
+            f"{'size':>5} {'AR %':>5} {'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9} {'dr draft':>8} "
+            f"{'dr verify':>9}")
     lines = [head, "-" * len(head)]
     for name, m in methods.items():
         if "skipped" in m:
@@ -173,5 +186,6 @@ def format_table(methods: dict) -> str:
                      f"{m['speedup_vs_ar']:>7.2f}x {match:>10} {m['new_tokens']:>7} "
                      f"{m['mean_tree_size']:>5.1f} {100 * m['ar_round_share']:>5.1f} "
                      f"{m['drafter_forward_ms_per_round']:>7.1f} {m['tree_build_ms_per_round']:>7.1f} "
-                     f"{m['adapter_calls_per_round']:>6.1f} {m['verify_ms_per_round']:>9.1f}")
+                     f"{m['adapter_calls_per_round']:>6.1f} {m['verify_ms_per_round']:>9.1f} "
+                     f"{m['draft_ms_per_drafting_round']:>8.1f} {m['verify_ms_per_drafting_round']:>9.1f}")
     return "\n".join(lines)
