@@ -8,7 +8,8 @@
 # 1. the target's answers: greedy for every training prompt, T = 1 samples for a third of each source (the chat
 #    dev set is never regenerated nor trained on); docs/data/regen-manifest.json records what the folders hold;
 # 2. the DFlash drafter, in the published format (a real mask token), and its FR-Spec token ranking;
-# 3. the TreeFlash AR layer and the Weaver on the frozen DFlash drafter, side by side, one thread each;
+# 3. the TreeFlash AR layer and the Weaver on the frozen DFlash drafter, side by side, one thread each, twice (the
+#    second run goes on from the first's end);
 # 4. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the new drafters and of the shipped ones, with `paired`,
 #    into $RUNS/eval, and the learning curve: tau on chat-dev and GSM8K of the DFlash snapshots.
 # Shipping is a decision, not a step: copy the new folders into src/treeflash/checkpoints only if they beat the
@@ -22,6 +23,8 @@ RUNS=${RUNS:-runs/all}
 DFLASH_STEPS=${DFLASH_STEPS:-2000}       # 4 sequences a step: about half a pass over greedy + sampled answers
 TREEFLASH_STEPS=${TREEFLASH_STEPS:-400}
 WEAVER_STEPS=${WEAVER_STEPS:-600}
+TREEFLASH_MORE_STEPS=${TREEFLASH_MORE_STEPS:-700}  # the adapters again, from their ends (they were still learning)
+WEAVER_MORE_STEPS=${WEAVER_MORE_STEPS:-600}
 REGEN=(--batch-size 48 --max-new-tokens 256 --dtype bfloat16)
 TRAIN=(--batch-size 4 --num-anchors 32 --max-len 512 --save-every 50 --keep-every 500 --log-every 10)
 
@@ -47,6 +50,13 @@ OMP_NUM_THREADS=1 $TF train treeflash --backbone "$RUNS/dflash/drafter" --freeze
 OMP_NUM_THREADS=1 $TF train weaver --backbone "$RUNS/dflash/drafter" --data "$DATA" \
     --out "$RUNS/weaver" --steps "$WEAVER_STEPS" --lr 1e-3 "${TRAIN[@]}" &
 wait -n && wait -n  # both must succeed
+# then both again from where they ended, on another data order (--seed 1), with a second cosine from half the
+# learning rate: their losses were still falling. These are what ship
+OMP_NUM_THREADS=1 $TF train treeflash --backbone "$RUNS/dflash/drafter" --freeze-backbone --init "$RUNS/treeflash/drafter" \
+    --data "$DATA" --out "$RUNS/treeflash-more" --steps "$TREEFLASH_MORE_STEPS" --lr 5e-4 --seed 1 "${TRAIN[@]}" &
+OMP_NUM_THREADS=1 $TF train weaver --backbone "$RUNS/dflash/drafter" --init "$RUNS/weaver/weaver" \
+    --data "$DATA" --out "$RUNS/weaver-more" --steps "$WEAVER_MORE_STEPS" --lr 5e-4 --seed 1 "${TRAIN[@]}" &
+wait -n && wait -n
 
 echo "== 4. tau per domain, new and shipped drafters, and the DFlash learning curve"
 mkdir -p "$RUNS/eval"
@@ -57,7 +67,7 @@ paired() {  # paired OUT ARGS...: skipped when OUT exists, so that a rerun picks
 }
 for dataset in chat-dev gsm8k humaneval mbpp; do
     paired "$RUNS/eval/paired-$dataset.json" --dataset "$dataset" --methods dflash,ddtree,treeflash,tfm \
-        --drafter "$RUNS/treeflash/drafter" --weaver "$RUNS/weaver/weaver"
+        --drafter "$RUNS/treeflash-more/drafter" --weaver "$RUNS/weaver-more/weaver"
     # the same for the drafters shipped now (the defaults): at T = 0 both follow the target's greedy continuation
     paired "$RUNS/eval/shipped-$dataset.json" --dataset "$dataset" --methods dflash,ddtree,treeflash,tfm
 done
