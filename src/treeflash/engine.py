@@ -30,7 +30,7 @@ class Round:
     draft_s: float
     verify_s: float  # verification, acceptance, commit and the round's bookkeeping
     expected: float  # E[accepted | tree] (verify.expected_accepted): equal to `accepted` at T = 0
-    drafted: bool = True  # False: cost-aware speculation skipped the drafter (a plain AR step)
+    drafted: bool  # False: a plain AR step (method `ar`, or cost-aware speculation skipped the drafter)
 
 
 @dataclass
@@ -89,7 +89,7 @@ def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, bu
     policy = budget if isinstance(budget, Policy) else None
     room = target.context_length - target.length - 1  # the tree (root + drafts) must fit in the context
     t0 = _now(target.device)
-    drafted = policy is None or policy.should_draft()
+    drafted = drafter.name != "ar" and (policy is None or policy.should_draft())  # as BatchEngine.step decides
     if drafted:
         tree = drafter.propose(seq.tokens, seq.features, min(policy.max_budget if policy else budget, room))
         seq.features = None

@@ -125,7 +125,7 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             t.ar_rounds += sum(x.tree_size == 0 for x in rounds)
             t.draft_s += sum(x.draft_s for x in rounds)
             t.verify_s += sum(x.verify_s for x in rounds)
-            drafting = [x for x in rounds if x.drafted and v.method != "ar"]
+            drafting = [x for x in rounds if x.drafted]
             t.drafting_rounds += len(drafting)
             t.drafting_draft_s += sum(x.draft_s for x in drafting)
             t.drafting_verify_s += sum(x.verify_s for x in drafting)
