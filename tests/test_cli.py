@@ -40,13 +40,26 @@ def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
         assert 0 <= m["ar_round_share"] <= 1 and 0 <= m["mean_tree_size"] <= 16
         assert m["tokens_per_second"] > 0 and m["speedup_vs_ar"] > 0
         assert m["matches_ar"] is True and 2 <= m["new_tokens"] <= 24
-    assert report["methods"]["ar"]["tau"] == 1.0
+        lo, hi = m["speedup_vs_ar_interval"]
+        assert lo <= m["speedup_vs_ar"] <= hi
+    assert report["methods"]["ar"]["tau"] == 1.0 and report["methods"]["ar"]["speedup_vs_ar_interval"] == [1.0, 1.0]
     ar, pld = report["methods"]["ar"], report["methods"]["pld"]
     assert ar["drafting_round_share"] == 0 and ar["draft_ms_per_drafting_round"] == 0  # ar never drafts
     # every round either ran the drafter or was an AR step that skipped it
     assert pld["drafting_round_share"] + pld["ar_round_share"] >= 1 - 1e-9 and pld["verify_ms_per_drafting_round"] >= 0
     table = capsys.readouterr().out
     assert "pld" in table and "speedup" in table
+
+
+def test_speedup_interval_resamples_prompts_in_pairs():
+    from treeflash.eval.bench import Totals, speedup_interval
+    ar = Totals(per_prompt=[(100, 1.0), (10, 0.5), (50, 2.0), (80, 1.0)])  # prompts of unlike lengths and speeds
+    twice = Totals(per_prompt=[(n, s / 2) for n, s in ar.per_prompt])
+    assert speedup_interval(twice, ar) == pytest.approx((2.0, 2.0))  # 2x on every prompt: no spread at all
+    mixed = Totals(per_prompt=[(n, s / f) for (n, s), f in zip(ar.per_prompt, (1.5, 2.5, 1.8, 2.2))])
+    lo, hi = speedup_interval(mixed, ar)
+    point = sum(n for n, _ in mixed.per_prompt) / sum(s for _, s in mixed.per_prompt) / (240 / 4.5)
+    assert 1.5 < lo < point < hi < 2.5
 
 
 def test_bench_batch_sizes(tiny_folder, tmp_path, capsys):

@@ -8,6 +8,7 @@ variant decodes every prompt in the same run, so their ratios share the same mac
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -66,6 +67,24 @@ class Totals:
     drafting_verify_s: float = 0.0  # ... and verification, at the size they chose
     adapter_calls: int = 0  # sequential AR-layer / Weaver calls
     outputs: list[list[int]] = field(default_factory=list)
+    per_prompt: list[tuple[int, float]] = field(default_factory=list)  # (new tokens, seconds) of each prompt
+
+
+def speedup_interval(variant: Totals, ar: Totals, level: float = 0.9, resamples: int = 2000,
+                     seed: int = 0) -> tuple[float, float]:
+    """A `level` bootstrap interval of the speedup (tokens per second against `ar`'s), resampling the prompts:
+    how far the figure could move on other prompts of the same kind, machine noise included. Both variants
+    resample the same prompts, so what they share (a prompt's length, a slow minute) cancels in the ratio."""
+    rng, n = random.Random(seed), len(ar.per_prompt)
+    ratios = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        tokens, seconds = (sum(variant.per_prompt[i][k] for i in picks) for k in (0, 1))
+        ar_tokens, ar_seconds = (sum(ar.per_prompt[i][k] for i in picks) for k in (0, 1))
+        ratios.append(tokens / seconds / (ar_tokens / ar_seconds))
+    ratios.sort()
+    tail = (1 - level) / 2
+    return ratios[int(tail * (resamples - 1))], ratios[int((1 - tail) * (resamples - 1))]
 
 
 def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: list = (AUTO,),
@@ -117,6 +136,7 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             t.new_tokens += len(tokens)
             t.seconds += seconds
             t.outputs.append(tokens)
+            t.per_prompt.append((len(tokens), seconds))
             t.rounds += forwards
             t.round_tokens += len(tokens) - 1  # every token but the prefill's came from a decode round
             t.round_expected += sum(x.expected for x in rounds) if rounds else len(tokens) - 1
@@ -146,6 +166,7 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             "expected_tau": t.round_expected / max(t.rounds, 1),
             "tokens_per_second": tps,
             "speedup_vs_ar": tps / ar_tps,
+            "speedup_vs_ar_interval": list(speedup_interval(t, ar)),  # 90 %, bootstrap over the prompts
             "matches_ar": (t.outputs == ar.outputs) if sampling.greedy else None,
             # at T = 0: prompts whose output equals ar's (bf16: batched rounding can flip a near-tie)
             "prompts_matching_ar": sum(o == a for o, a in zip(t.outputs, ar.outputs)) if sampling.greedy else None,
@@ -172,8 +193,10 @@ def format_table(methods: dict) -> str:
     """τ (E[tau]: its expectation given the trees, less noisy at T > 0), speed, exactness, the chosen tree size and
     share of AR rounds, and the cost of a round: drafter forward, tree build (AR layer / Weaver calls included),
     target verification (with acceptance and commit), each per round; then the drafting rounds alone ("dr", the
-    rounds that ran the drafter): their drafting and verification ms, at the tree size they chose."""
-    head = (f"{'method':<14} {'tau':>6} {'E[tau]':>6} {'tok/s':>7} {'speedup':>8} {'matches_ar':>10} {'new_tok':>7} "
+    rounds that ran the drafter): their drafting and verification ms, at the tree size they chose. `90% CI`: the
+    speedup's bootstrap interval over the prompts."""
+    head = (f"{'method':<14} {'tau':>6} {'E[tau]':>6} {'tok/s':>7} {'speedup':>8} {'90% CI':>11} {'matches_ar':>10} "
+            f"{'new_tok':>7} "
             f"{'size':>5} {'AR %':>5} {'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9} {'dr draft':>8} "
             f"{'dr verify':>9}")
     lines = [head, "-" * len(head)]
@@ -182,8 +205,9 @@ def format_table(methods: dict) -> str:
             lines.append(f"{name:<14} skipped: {m['skipped']}")
             continue
         match = "-" if m["matches_ar"] is None else str(m["matches_ar"]).lower()
+        lo, hi = m["speedup_vs_ar_interval"]
         lines.append(f"{name:<14} {m['tau']:>6.2f} {m['expected_tau']:>6.2f} {m['tokens_per_second']:>7.2f} "
-                     f"{m['speedup_vs_ar']:>7.2f}x {match:>10} {m['new_tokens']:>7} "
+                     f"{m['speedup_vs_ar']:>7.2f}x {f'{lo:.2f}-{hi:.2f}':>11} {match:>10} {m['new_tokens']:>7} "
                      f"{m['mean_tree_size']:>5.1f} {100 * m['ar_round_share']:>5.1f} "
                      f"{m['drafter_forward_ms_per_round']:>7.1f} {m['tree_build_ms_per_round']:>7.1f} "
                      f"{m['adapter_calls_per_round']:>6.1f} {m['verify_ms_per_round']:>9.1f} "
