@@ -87,6 +87,21 @@ def test_a_probe_that_pays_resumes_drafting_at_once():
     assert policy.draft_s == 0.005 and policy.should_draft()
 
 
+def test_a_cold_first_drafting_time_does_not_lock_drafting_out():
+    """The first drafting round pays for lazy initialisation (here 20x the true cost); its time must not keep the
+    policy at AR steps: a probe, whose time (catch-up included) bounds the drafting cost from above, lowers it."""
+    policy = Policy(costs(1.0), 8)
+    tree = DraftTree.chain(0, [1, 2], probs=[0.9, 0.9])  # worth about one token and a half a round
+    policy.choose([tree])
+    policy.observe([tree], [[0]], 1, draft_s=0.1, verify_s=0.012, drafted=True)  # cold (and nothing accepted)
+    assert policy.draft_s == 0.1 and not policy.should_draft()  # 0.1 s of drafting: no such tree pays that
+    while not policy.should_draft():  # AR steps until the probe
+        policy.observe([DraftTree.chain(0)], [[0]], 1, 0.0, 0.011, False)
+    policy.choose([tree])
+    policy.observe([tree], [[0, 1, 2]], 3, draft_s=0.005, verify_s=0.013, drafted=True)  # warm, catch-up included
+    assert policy.draft_s == 0.005 and policy.should_draft()
+
+
 class ForcedPolicy:
     """Patch a drafter's policy to the cheap or the dear extreme, so that both code paths run."""
 

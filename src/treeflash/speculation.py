@@ -204,8 +204,11 @@ class Policy:
         for tree, path in zip(trees, paths):
             self.calibration.observe(tree, path)
         if drafted:
-            if not self.skipped or self.draft_s is None:  # after AR rounds it includes the context's catch-up
+            if not self.skipped or self.draft_s is None:
                 self.draft_s = _ema(self.draft_s, draft_s)
+            else:  # a probe's time includes the context's catch-up after the AR rounds: an upper bound of the
+                # drafting cost, which a stale average (a cold first call, a slower minute) must not exceed
+                self.draft_s = min(self.draft_s, draft_s)
             self.skipped, self.stretch = 0, self.stretch + 1
         else:
             if self.stretch:  # drafting just stopped paying: was it a real stretch or a misleading probe?
