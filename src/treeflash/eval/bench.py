@@ -76,12 +76,13 @@ def speedup_interval(variant: Totals, ar: Totals, level: float = 0.9, resamples:
     how far the figure could move on other prompts of the same kind, machine noise included. Both variants
     resample the same prompts, so what they share (a prompt's length, a slow minute) cancels in the ratio."""
     rng, n = random.Random(seed), len(ar.per_prompt)
+
+    def rate(totals: Totals, picks: list[int]) -> float:  # tokens per second over the picked prompts
+        return sum(totals.per_prompt[i][0] for i in picks) / sum(totals.per_prompt[i][1] for i in picks)
     ratios = []
     for _ in range(resamples):
         picks = [rng.randrange(n) for _ in range(n)]
-        tokens, seconds = (sum(variant.per_prompt[i][k] for i in picks) for k in (0, 1))
-        ar_tokens, ar_seconds = (sum(ar.per_prompt[i][k] for i in picks) for k in (0, 1))
-        ratios.append(tokens / seconds / (ar_tokens / ar_seconds))
+        ratios.append(rate(variant, picks) / rate(ar, picks))
     ratios.sort()
     tail = (1 - level) / 2
     return ratios[int(tail * (resamples - 1))], ratios[int((1 - tail) * (resamples - 1))]
@@ -196,9 +197,8 @@ def format_table(methods: dict) -> str:
     rounds that ran the drafter): their drafting and verification ms, at the tree size they chose. `90% CI`: the
     speedup's bootstrap interval over the prompts."""
     head = (f"{'method':<14} {'tau':>6} {'E[tau]':>6} {'tok/s':>7} {'speedup':>8} {'90% CI':>11} {'matches_ar':>10} "
-            f"{'new_tok':>7} "
-            f"{'size':>5} {'AR %':>5} {'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9} {'dr draft':>8} "
-            f"{'dr verify':>9}")
+            f"{'new_tok':>7} {'size':>5} {'AR %':>5} {'fwd ms':>7} {'tree ms':>7} {'calls':>6} {'verify ms':>9} "
+            f"{'dr draft':>8} {'dr verify':>9}")
     lines = [head, "-" * len(head)]
     for name, m in methods.items():
         if "skipped" in m:
