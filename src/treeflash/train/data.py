@@ -2,8 +2,9 @@
 
 Drafters learn to predict what the target itself writes, so the training text is the target's own greedy output
 for training prompts (GSM8K train, the MBPP tasks outside its test split, ShareGPT and Code Alpaca prompts), never
-the evaluation splits. Generation is batched (left padding, one HF `generate` per batch) and resumable: each batch
-lands atomically as its own JSONL shard, and a rerun skips the prompt ids already written.
+the evaluation splits. Generation is batched (continuous batching on the static runtime, else left-padded HF
+`generate` batches) and resumable: each batch of answers lands atomically as its own JSONL shard, and a rerun skips
+the prompt ids already written.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from __future__ import annotations
 import json
 import random
 import time
+import zlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
 from ..eval.datasets import SHAREGPT, DatasetError, is_chat_dev, read_jsonl
 from ..target import Target
+from ..verify import Sampling
 
 MBPP_TEST_IDS = range(11, 511)  # the MBPP test split: never trained on
 
@@ -91,7 +95,8 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
 
 def regenerate(target: Target, prompts: list[tuple[str, str]], out_dir: Path, max_new_tokens: int = 256,
                batch_size: int = 32, max_prompt_tokens: int = 512, seed: int = 0, temperature: float = 0.0) -> dict:
-    """Write the target's answers for `prompts` as JSONL shards in `out_dir`; returns throughput figures.
+    """Write the target's answers for `prompts` as JSONL shards of `batch_size` answers in `out_dir`; returns
+    throughput figures.
 
     Greedy answers (temperature 0) only ever show a drafter previous tokens that are the target's argmax; sampled
     ones (temperature 1) also show it the other tokens that tree branches and T > 0 decoding condition on."""
@@ -101,24 +106,66 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], out_dir: Path, ma
     random.Random(seed).shuffle(todo)  # sources mixed, so a partial run is still a balanced sample
     encoded = [(i, target.encode_prompt(p)) for i, p in todo]
     encoded = [(i, ids) for i, ids in encoded if len(ids) <= max_prompt_tokens]
+    too_long = len(todo) - len(encoded)
     tokens, started = 0, time.time()
-    torch.manual_seed(seed)
     bar = tqdm(total=len(encoded), desc="regen", unit="prompt")
+
+    def write(rows: list[dict]) -> None:
+        nonlocal tokens
+        write_shard(out_dir, rows)
+        tokens += sum(len(r["response_ids"]) for r in rows)
+        bar.update(len(rows))
+        bar.set_postfix(tok_s=f"{tokens / (time.time() - started):.0f}")
+
+    answer = answer_continuously if target.fast is not None else answer_in_batches
+    for rows in answer(target, encoded, max_new_tokens, batch_size, seed, temperature):
+        write(rows)
+    bar.close()
+    seconds = time.time() - started
+    return {"prompts": len(encoded), "skipped_done": len(skip), "skipped_too_long": too_long, "new_tokens": tokens,
+            "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9)}
+
+
+def _row(prompt_id: str, ids: list[int], answer: list[int], temperature: float) -> dict:
+    return {"id": prompt_id, "prompt_ids": ids, "response_ids": answer, "temperature": temperature}
+
+
+def answer_continuously(target: Target, encoded: list[tuple[str, list[int]]], max_new_tokens: int, batch_size: int,
+                        seed: int, temperature: float) -> Iterator[list[dict]]:
+    """Answers by the static runtime's continuous batching (`BatchEngine` with AR steps), `batch_size` at a time: a
+    finished answer's slot goes to the next prompt at once, where a padded batch runs until its longest answer
+    ends. Each prompt samples from its own generator, seeded by the run's seed and its id (a resumed run draws
+    what an uninterrupted one would)."""
+    from ..batching import BatchEngine
+    from ..drafters import make_drafter
+
+    engine, sampling = BatchEngine(target, make_drafter("ar"), batch_size, budget=1), Sampling(temperature)
+    waiting, finished = list(reversed(encoded)), []
+    while waiting or len(engine):
+        while waiting and not engine.full:
+            prompt_id, ids = waiting.pop()
+            request = engine.add(ids, max_new_tokens, sampling, zlib.crc32(f"{seed}/{prompt_id}".encode()))
+            request.data["prompt"] = (prompt_id, ids)
+        finished += [_row(*r.data["prompt"], r.result.tokens, temperature) for r in engine.step()]
+        if len(finished) >= batch_size:  # a step retires at most a batch
+            yield finished[:batch_size]
+            finished = finished[batch_size:]
+    if finished:
+        yield finished
+
+
+def answer_in_batches(target: Target, encoded: list[tuple[str, list[int]]], max_new_tokens: int, batch_size: int,
+                      seed: int, temperature: float) -> Iterator[list[dict]]:
+    """Answers by HF `generate` on left-padded batches: for targets without the static runtime (and the reference
+    the continuous path is tested against)."""
+    torch.manual_seed(seed)
     # sort each group of 8 batches by prompt length: less padding, order still mixed across the run
     for g in range(0, len(encoded), 8 * batch_size):
         group = sorted(encoded[g:g + 8 * batch_size], key=lambda x: len(x[1]))
         for b in range(0, len(group), batch_size):
             batch = group[b:b + batch_size]
             answers = generate_batch(target, [ids for _, ids in batch], max_new_tokens, temperature)
-            write_shard(out_dir, [{"id": i, "prompt_ids": ids, "response_ids": a, "temperature": temperature}
-                                  for (i, ids), a in zip(batch, answers)])
-            tokens += sum(map(len, answers))
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{tokens / (time.time() - started):.0f}")
-    bar.close()
-    seconds = time.time() - started
-    return {"prompts": len(encoded), "skipped_done": len(skip), "new_tokens": tokens, "seconds": seconds,
-            "tokens_per_second": tokens / max(seconds, 1e-9)}
+            yield [_row(i, ids, a, temperature) for (i, ids), a in zip(batch, answers)]
 
 
 def load_regen(data_dirs: str | Path) -> list[dict]:
