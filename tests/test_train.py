@@ -204,6 +204,26 @@ def test_regen_samples_at_a_temperature_and_training_reads_several_folders(tmp_p
     assert len(both) == 8 and [r["temperature"] for r in both] == [0.0] * 4 + [1.0] * 4
 
 
+def test_continuous_regen_gives_the_padded_hf_batches_answers(tmp_path, tiny_folder):  # noqa: F811
+    """The fast path (continuous batching on the static runtime) against its reference (HF `generate` on left-padded
+    batches): the same greedy answers in fp32; and a resumed sampling run draws what a whole one does."""
+    from treeflash.target import Target
+    from treeflash.train.data import answer_continuously, answer_in_batches, regenerate
+
+    target = Target.load(tiny_folder, dtype="float32")
+    assert target.fast is not None  # else regenerate would take the reference path
+    prompts = [(f"gsm8k/{i}", target.encode_prompt("What is 1 + 2?" * (1 + i % 4))) for i in range(7)]
+    fast = {r["id"]: r for rows in answer_continuously(target, prompts, 12, 3, 0, 0.0) for r in rows}
+    slow = {r["id"]: r for rows in answer_in_batches(target, prompts, 12, 3, 0, 0.0) for r in rows}
+    assert fast == slow and len(fast) == 7
+
+    texts = [(i, f"Tell me about {i}.") for i in "abcdef"]
+    regenerate(target, texts, tmp_path / "whole", 10, 4, seed=5, temperature=1.0)
+    regenerate(target, texts[:2], tmp_path / "resumed", 10, 4, seed=5, temperature=1.0)  # interrupted ...
+    regenerate(target, texts, tmp_path / "resumed", 10, 4, seed=5, temperature=1.0)  # ... and resumed
+    assert load_regen(tmp_path / "whole") == load_regen(tmp_path / "resumed")
+
+
 def test_regen_refuses_a_missing_prompt_set(tmp_path, capsys):
     assert main(["data", "regen", "--data-dir", str(tmp_path), "--sources", "gsm8k"]) == 2
     assert "no such file" in capsys.readouterr().err
