@@ -110,16 +110,12 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], out_dir: Path, ma
     tokens, started = 0, time.time()
     bar = tqdm(total=len(encoded), desc="regen", unit="prompt")
 
-    def write(rows: list[dict]) -> None:
-        nonlocal tokens
+    answer = answer_continuously if target.fast is not None else answer_in_batches
+    for rows in answer(target, encoded, max_new_tokens, batch_size, seed, temperature):
         write_shard(out_dir, rows)
         tokens += sum(len(r["response_ids"]) for r in rows)
         bar.update(len(rows))
         bar.set_postfix(tok_s=f"{tokens / (time.time() - started):.0f}")
-
-    answer = answer_continuously if target.fast is not None else answer_in_batches
-    for rows in answer(target, encoded, max_new_tokens, batch_size, seed, temperature):
-        write(rows)
     bar.close()
     seconds = time.time() - started
     return {"prompts": len(encoded), "skipped_done": len(skip), "skipped_too_long": too_long, "new_tokens": tokens,
