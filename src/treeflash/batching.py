@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -258,21 +258,26 @@ class BatchEngine:
                 self.requests.pop()
         return done[::-1]
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
-            seed: int | None = None, progress: Callable[[Request], None] | None = None) -> list[GenerationResult]:
+    def stream(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+               seeds: list[int | None] | None = None) -> Iterator[Request]:
         """Decode every prompt, up to `max_batch` at a time: a finished sequence's slot goes to the next prompt
-        between rounds. Prompt i samples with seed + i (None: unseeded). Results in the prompts' order."""
-        results: list[GenerationResult | None] = [None] * len(prompts)
+        between rounds. Yields each request as it ends (`data["index"]`: its prompt's); prompt i samples with
+        seeds[i] (None: unseeded)."""
         waiting = list(range(len(prompts)))
         while waiting or self.requests:
             while waiting and not self.full:
                 i = waiting.pop(0)
-                request = self.add(prompts[i], max_new_tokens, sampling, None if seed is None else seed + i)
+                request = self.add(prompts[i], max_new_tokens, sampling, None if seeds is None else seeds[i])
                 request.data["index"] = i
-                results[i] = request.result
-            for request in self.step():
-                if progress:
-                    progress(request)
+            yield from self.step()
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+            seed: int | None = None) -> list[GenerationResult]:
+        """`stream` to the end: the results in the prompts' order. Prompt i samples with seed + i (None: unseeded)."""
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        seeds = None if seed is None else [seed + i for i in range(len(prompts))]
+        for request in self.stream(prompts, max_new_tokens, sampling, seeds):
+            results[request.data["index"]] = request.result
         return results  # type: ignore[return-value]
 
 

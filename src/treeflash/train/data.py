@@ -135,17 +135,14 @@ def answer_continuously(target: Target, encoded: list[tuple[str, list[int]]], ma
     from ..batching import BatchEngine
     from ..drafters import make_drafter
 
-    engine, sampling = BatchEngine(target, make_drafter("ar"), batch_size, budget=1), Sampling(temperature)
-    waiting, finished = list(reversed(encoded)), []
-    while waiting or len(engine):
-        while waiting and not engine.full:
-            prompt_id, ids = waiting.pop()
-            request = engine.add(ids, max_new_tokens, sampling, zlib.crc32(f"{seed}/{prompt_id}".encode()))
-            request.data["prompt"] = (prompt_id, ids)
-        finished += [_row(*r.data["prompt"], r.result.tokens, temperature) for r in engine.step()]
-        if len(finished) >= batch_size:  # a step retires at most a batch
-            yield finished[:batch_size]
-            finished = finished[batch_size:]
+    engine = BatchEngine(target, make_drafter("ar"), batch_size, budget=1)
+    seeds = [zlib.crc32(f"{seed}/{prompt_id}".encode()) for prompt_id, _ in encoded]
+    finished = []
+    for request in engine.stream([ids for _, ids in encoded], max_new_tokens, Sampling(temperature), seeds):
+        finished.append(_row(*encoded[request.data["index"]], request.result.tokens, temperature))
+        if len(finished) == batch_size:
+            yield finished
+            finished = []
     if finished:
         yield finished
 
