@@ -95,10 +95,16 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--target", default=DEFAULT_TARGET, help="Hub id, local folder or .gguf file "
                    f"(default: the embedded {DEFAULT_TARGET})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="target precision; float32 (default) is exact against AR; bfloat16 is faster where the "
-                   "hardware multiplies it natively, but batched rounding can flip a near-tie; auto: bfloat16 "
-                   "there, else float32")
+    exact = "float32" if paired else "auto"  # paired measures tau: exact by default
+    p.add_argument("--dtype", default=exact, choices=["float32", "bfloat16", "auto"],
+                   help="target precision: auto (bfloat16 where the hardware multiplies it natively, else float32), "
+                   "float32 (exact against AR: the tests' path) or bfloat16 (fast, but batched rounding can flip a "
+                   f"near-tie); default {exact}")
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "gguf", "int4"],
+                   help="GGUF targets: auto (default) keeps the file's 4-bit and 8-bit tensors (Q4_0, Q4_1, Q4_K, "
+                   "Q8_0) and multiplies them with PyTorch's int4 CPU kernel when the activations are bfloat16; "
+                   "gguf always; none runs the dequantised weights. Other targets: int4 rounds their linears to 4 "
+                   "bits (groups of 32; the model changes, speculation stays exact with respect to it)")
     p.add_argument("--runtime", default="auto", choices=["auto", "static", "hf"],
                    help="target runtime: the static-cache fast path where the architecture has one (auto), or the "
                    "generic Hugging Face forward (hf, the reference)")
@@ -162,7 +168,7 @@ def build_parser() -> Parser:
         b.add_argument("--limit", type=_positive_int, default=10, help="number of prompts (10)")
         b.add_argument("--methods", type=(lambda t: _methods(t, baselines=True)) if name == "bench" else _methods,
                        default=None, help=f"comma-separated ({','.join(METHODS)}"
-                       + (", and the baselines hf, hf-pld, llamacpp" if name == "bench" else "")
+                       + (", and the baselines hf, hf-pld, llamacpp, llamacpp-pld" if name == "bench" else "")
                        + "; default: those with a drafter shipped for the target)")
         b.add_argument("--out", default=None, help="write the results as JSON to this file")
         b.add_argument("--no-progress", action="store_true")
@@ -317,7 +323,13 @@ def _sampling(args):
 def _load_target(args):
     from .target import Target
 
-    return Target.load(args.target, dtype=args.dtype, device=args.device, runtime=getattr(args, "runtime", "auto"))
+    return Target.load(args.target, dtype=args.dtype, device=args.device, runtime=getattr(args, "runtime", "auto"),
+                       quantize=getattr(args, "quantize", "auto"))
+
+
+def _weights(target):
+    """The target's weights for a JSON report: "dense", or what a GGUF's quantised tensors became."""
+    return target.weights if isinstance(target.weights, str) else target.weights.as_dict()
 
 
 def _encode(target, text: str) -> list[int]:
@@ -451,10 +463,11 @@ def cmd_bench(args) -> None:
               "max_budget": args.max_budget, "tfm_widths": args.tfm_width, "draft_vocab": args.draft_vocab,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "dtype": dtype, "runtime": target.runtime,
-              "threads": torch.get_num_threads(), "seconds": time.time() - started, "methods": methods}
+              "weights": _weights(target), "threads": torch.get_num_threads(),
+              "seconds": time.time() - started, "methods": methods}
     print(f"{args.dataset}: {len(prompts)} prompts, budget {','.join(map(str, args.budget))} (max {args.max_budget}), "
           f"T = {args.temperature}, {args.max_new_tokens} new tokens, target {args.target} ({dtype}, "
-          f"{target.runtime} runtime, {torch.get_num_threads()} threads)")
+          f"{target.runtime} runtime, {torch.get_num_threads()} threads; weights: {target.weights})")
     print(format_table(methods))
     if args.out:
         with open(args.out, "w") as f:
@@ -462,12 +475,13 @@ def cmd_bench(args) -> None:
 
 
 def _batch_bench(args, target, prompts, sampling) -> None:
+    from .eval.baselines import BASELINES
     from .eval.batch_bench import format_batch_table, run_batch_bench
     import torch
 
     if len(args.tfm_width) > 1:
         raise UsageError("--batch-size takes one --tfm-width")
-    skipped = [m for m in args.methods if m in ("hf", "hf-pld", "llamacpp")]
+    skipped = [m for m in args.methods if m in BASELINES]
     if skipped:
         print(f"not batched, skipped: {', '.join(skipped)}")
     started = time.time()
@@ -484,8 +498,8 @@ def _batch_bench(args, target, prompts, sampling) -> None:
         report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts),
                   "batch_sizes": args.batch_size, "budgets": args.budget, "max_budget": args.max_budget,
                   "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                  "max_new_tokens": args.max_new_tokens, "dtype": dtype, "repeats": args.repeats,
-                  "threads": torch.get_num_threads(), "seconds": time.time() - started, "variants": rows}
+                  "max_new_tokens": args.max_new_tokens, "dtype": dtype, "weights": _weights(target),
+                  "repeats": args.repeats, "threads": torch.get_num_threads(), "seconds": time.time() - started, "variants": rows}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 

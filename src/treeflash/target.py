@@ -30,6 +30,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .gdn.hybrid import HybridGDN
+from .models import int4
+from .models.gguf_int4 import GGUFWeights, install as install_gguf
 from .models.static_decoder import StaticDecoder, unsupported_reason
 from .tree import DraftTree
 
@@ -46,6 +48,10 @@ def hub_id(name_or_path: str) -> str:
     return HUB_IDS.get(name_or_path, name_or_path)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 RUNTIMES = ("auto", "static", "hf")
+# "auto": a GGUF target keeps its own 4-bit / 8-bit tensors where the int4 kernel is fast (CPU, bf16 activations);
+# "gguf": always (fp32 activations too: exact but slow); "int4": round a dense target's linears to 4 bits;
+# "none": the dense (for a GGUF: dequantised) weights
+QUANTIZE = ("auto", "none", "gguf", "int4")
 
 
 def native_bf16(device: torch.device | str) -> bool:
@@ -113,15 +119,22 @@ def _dequantised_copy(gguf: Path) -> Path:
     return folder
 
 
+def gguf_file(name_or_path: str) -> Path | None:
+    """The GGUF file behind an embedded name or a .gguf path; None for other targets."""
+    if name_or_path in EMBEDDED:
+        return embedded_gguf(name_or_path)
+    path = Path(name_or_path).expanduser()
+    return path if path.suffix == ".gguf" else None
+
+
 def resolve(name_or_path: str) -> Path | str:
     """An embedded name, a GGUF file or a local folder becomes a local folder; anything else is a Hub id."""
-    if name_or_path in EMBEDDED:
-        return _dequantised_copy(embedded_gguf(name_or_path))
+    gguf = gguf_file(name_or_path)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise TargetError(f"no such GGUF file: {gguf}")
+        return _dequantised_copy(gguf)
     path = Path(name_or_path).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise TargetError(f"no such GGUF file: {path}")
-        return _dequantised_copy(path)
     if path.is_dir():
         return path
     if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
@@ -139,7 +152,8 @@ class Target:
     """`runtime`: "auto" (the fast static-cache path where the architecture has one, else HF), "static" (refuse
     a model without one) or "hf" (the reference)."""
 
-    def __init__(self, model, tokenizer=None, name: str = "model", runtime: str = "auto"):
+    def __init__(self, model, tokenizer=None, name: str = "model", runtime: str = "auto",
+                 weights: "GGUFWeights | str" = "dense"):
         if runtime not in RUNTIMES:
             raise TargetError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
         self.model = model.eval()
@@ -152,6 +166,7 @@ class Target:
         self.length = 0  # committed positions in the cache
         self.pending = 0  # positions of the last verified tree, in the cache until commit()
         self.gdn = HybridGDN.install(model)  # None unless the model has Gated DeltaNet layers
+        self.weights: GGUFWeights | str = weights
         reason = unsupported_reason(model)
         if runtime == "static" and reason:
             raise TargetError(f"no static runtime for {name}: {reason}; use runtime hf")
@@ -160,18 +175,38 @@ class Target:
 
     @classmethod
     def load(cls, name_or_path: str = DEFAULT_TARGET, dtype: str = "float32", device: str | None = None,
-             runtime: str = "auto") -> "Target":
+             runtime: str = "auto", quantize: str = "auto") -> "Target":
         """`dtype`: float32 (exact against plain decoding), bfloat16, or auto (bf16 where the hardware multiplies
-        it natively, else fp32)."""
+        it natively, else fp32). `quantize`: for GGUF targets, auto keeps the file's 4-bit and 8-bit tensors and
+        multiplies them with PyTorch's int4 CPU kernel where that is fast (CPU, bf16), gguf always, none never
+        (the dequantised weights: the exact reference); for other targets, int4 rounds the linears to 4 bits
+        (a different model: speculation stays exact with respect to it), auto and none leave them dense."""
+        if quantize not in QUANTIZE:
+            raise TargetError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = resolve_dtype(dtype, device)
+        gguf = gguf_file(name_or_path)
+        if quantize in ("gguf", "int4") and not int4.available(device):
+            raise TargetError(f"quantize {quantize} runs PyTorch's int4 CPU kernel: it needs the CPU and torch >= 2.5")
+        if quantize == "gguf" and gguf is None:
+            raise TargetError("quantize gguf needs a GGUF target")
+        if quantize == "int4" and gguf is not None:
+            raise TargetError("a GGUF target is quantised already: use quantize gguf (or auto)")
         source = resolve(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(device)
         except OSError as err:
             raise TargetError(f"cannot load target {name_or_path!r}: {str(err).splitlines()[0]}") from None
-        return cls(model, tokenizer, name=name_or_path, runtime=runtime)
+        weights: GGUFWeights | str = "dense"
+        if gguf is not None and (quantize == "gguf" or (
+                quantize == "auto" and torch_dtype == torch.bfloat16 and int4.available(device))):
+            weights = install_gguf(model, gguf, torch_dtype)
+            log.info("%s: %s", gguf.name, weights)
+        elif quantize == "int4":
+            weights = f"int4, rounded to nearest in groups of {int4.GROUP}: {int4.quantise_model(model, torch_dtype)} " \
+                      "linears (LM head dense)"
+        return cls(model, tokenizer, name=name_or_path, runtime=runtime, weights=weights)
 
     # ---- properties -------------------------------------------------------------------------------------------
     @property

@@ -3,7 +3,8 @@
 - `hf`: transformers' own `generate` on the target's model, with the same sampling;
 - `hf-pld`: the same with transformers' prompt lookup decoding (`prompt_lookup_num_tokens`);
 - `llamacpp`: plain decoding of the target's GGUF file through llama-cpp-python (an optional extra: PyPI ships
-  only its source). It computes on the quantised weights, so its tokens may differ from the target's.
+  only its source), in a process of its own; `llamacpp-pld`: the same with llama.cpp's own prompt lookup. Both
+  compute on the GGUF's quantised weights in llama.cpp's own way, so their tokens may differ from the target's.
 
 Each returns the new tokens, the seconds they took and the number of target forwards (τ = tokens / forwards).
 """
@@ -11,17 +12,21 @@ Each returns the new tokens, the seconds they took and the number of target forw
 from __future__ import annotations
 
 import importlib.util
-import time
+import json
+import subprocess
+import sys
+import weakref
 from pathlib import Path
 
 import torch
 
 from ..clock import now
-from ..target import EMBEDDED, Target, embedded_gguf, resolve
+from ..target import EMBEDDED, Target, gguf_file as target_gguf, resolve
 from ..verify import Sampling
 
-BASELINES = ("hf", "hf-pld", "llamacpp")
+BASELINES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld")
 PLD_TOKENS = 10  # transformers' documented example value
+LLAMACPP_PLD_TOKENS = 4  # of 4 and 10 (llama-cpp-python's default), 4 was faster on GSM8K (DESIGN section 8)
 
 
 class BaselineUnavailable(RuntimeError):
@@ -29,11 +34,10 @@ class BaselineUnavailable(RuntimeError):
 
 
 def gguf_file(target: Target) -> Path:
-    if target.name in EMBEDDED:
-        return embedded_gguf(target.name)
-    if target.name.endswith(".gguf"):
-        return Path(target.name)
-    raise BaselineUnavailable(f"llamacpp needs a GGUF target (got {target.name})")
+    path = target_gguf(target.name)
+    if path is None:
+        raise BaselineUnavailable(f"llamacpp needs a GGUF target (got {target.name})")
+    return path
 
 
 def stock_model(target: Target):
@@ -80,29 +84,35 @@ class HFGenerate:
 
 
 class LlamaCpp:
-    """llama.cpp's plain decoding of the target's GGUF, with as many threads as torch uses."""
+    """llama.cpp's decoding of the target's GGUF, with as many threads as torch uses, in a process of its own
+    (`llamacpp_worker.py`) so that neither engine's threads spin against the other's. `draft` tokens: llama.cpp's
+    own prompt lookup (`LlamaPromptLookupDecoding`), 0: plain decoding."""
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, draft: int = 0):
         if importlib.util.find_spec("llama_cpp") is None:
-            raise BaselineUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python: a source "
-                                      "build of about 15 minutes)")
-        from llama_cpp import Llama
+            raise BaselineUnavailable("llama-cpp-python is not installed (CMAKE_BUILD_PARALLEL_LEVEL=2 pip install "
+                                      "llama-cpp-python==0.3.36: a source build of 15-30 minutes)")
+        self.eos = sorted(target.eos_ids)
+        command = [sys.executable, str(Path(__file__).with_name("llamacpp_worker.py")), str(gguf_file(target)),
+                   str(torch.get_num_threads()), str(min(target.context_length, 4096)), str(draft)]
+        self.worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        weakref.finalize(self, self.worker.kill)
+        if json.loads(self._read()).get("ready") is not True:
+            raise BaselineUnavailable("the llama.cpp worker did not start")
 
-        self.eos = target.eos_ids
-        self.llm = Llama(model_path=str(gguf_file(target)), n_ctx=min(target.context_length, 4096),
-                         n_threads=torch.get_num_threads(), verbose=False)
+    def _read(self) -> str:
+        line = self.worker.stdout.readline()
+        if not line:
+            raise BaselineUnavailable(f"the llama.cpp worker stopped (exit code {self.worker.wait()})")
+        return line
 
     def __call__(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, seed: int):
-        self.llm.reset()
-        self.llm.set_seed(seed)
-        tokens = []
-        start = time.perf_counter()
-        for token in self.llm.generate(prompt, temp=sampling.temperature, top_k=sampling.top_k,
-                                       top_p=sampling.top_p, reset=True):
-            tokens.append(token)
-            if len(tokens) == max_new_tokens or token in self.eos:
-                break
-        return tokens, time.perf_counter() - start, max(len(tokens) - 1, 1)
+        request = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
+                   "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": seed, "eos": self.eos}
+        self.worker.stdin.write(json.dumps(request) + "\n")
+        self.worker.stdin.flush()
+        answer = json.loads(self._read())  # this process blocks here: its threads sleep while llama.cpp runs
+        return answer["tokens"], answer["seconds"], answer["forwards"]
 
 
 def make_baseline(name: str, target: Target, cache: dict | None = None):
@@ -114,4 +124,6 @@ def make_baseline(name: str, target: Target, cache: dict | None = None):
         return HFGenerate(target, cache["model"], PLD_TOKENS if name == "hf-pld" else 0)
     if name == "llamacpp":
         return LlamaCpp(target)
+    if name == "llamacpp-pld":
+        return LlamaCpp(target, draft=LLAMACPP_PLD_TOKENS)
     raise KeyError(name)

@@ -3,7 +3,7 @@
 A run can sweep budgets (numbers, or "auto": cost-aware speculation) and tfm widths: every (method, budget, width)
 variant decodes every prompt in the same run, so their ratios share the same machine noise. `ar` is the reference
 (speed and exactness) and runs once. The baselines of other engines (eval/baselines.py: `hf`, `hf-pld`,
-`llamacpp`) run in the same interleaving; one that cannot run here is reported as skipped.
+`llamacpp`, `llamacpp-pld`) run in the same interleaving; one that cannot run here is reported as skipped.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from .int4 import Int4Linear
 from .packed import linear, pack
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -42,9 +43,20 @@ def unsupported_reason(model) -> str | None:
 
 class _Projection:
     """One or several nn.Linear on the same input as ONE matrix product; the HF modules are re-pointed to views
-    of the fused weight. On the CPU the product runs on a copy of the weight prepacked for oneDNN (`packed`)."""
+    of the fused weight. On the CPU the product runs on a copy of the weight prepacked for oneDNN (`packed`).
+    4-bit linears (`Int4Linear`, a GGUF's own blocks) fuse into one 4-bit product where their rows are whole
+    packed blocks; a group that mixes 4-bit and dense linears (Q4_K_M files keep some tensors in Q6_K), or does
+    not fuse, runs them one by one and concatenates."""
 
-    def __init__(self, linears: list[torch.nn.Linear]):
+    def __init__(self, linears: list[torch.nn.Module]):
+        self.parts: list = []  # the group's modules when they do not fuse
+        self.int4 = None
+        if any(isinstance(m, Int4Linear) for m in linears):
+            if all(isinstance(m, Int4Linear) for m in linears):
+                self.int4 = Int4Linear.fuse(linears)
+            if self.int4 is None:
+                self.parts = linears
+            return
         has_bias = linears[0].bias is not None
         if len(linears) == 1:  # as it is: a tied LM head stays tied to the embeddings
             self.weight = linears[0].weight.detach()
@@ -62,6 +74,10 @@ class _Projection:
         self.packed = pack(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:
+            return self.int4(x)
+        if self.parts:
+            return torch.cat([m(x) for m in self.parts], dim=-1)
         return linear(x, self.weight, self.packed, self.bias)
 
 
@@ -214,12 +230,12 @@ class StaticDecoder:
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.in_norm)
             qkv = layer.qkv(h)
-            q = qkv[..., :qd].view(B, n, self.heads, hd)
-            k = qkv[..., qd:qd + kvd].view(B, n, self.kv_heads, hd)
+            qk = qkv[..., :qd + kvd].view(B, n, self.heads + self.kv_heads, hd)
             v = qkv[..., qd + kvd:].view(B, n, self.kv_heads, hd)
             if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+                qk = torch.cat([layer.q_norm(qk[:, :, :self.heads]), layer.k_norm(qk[:, :, self.heads:])], dim=2)
+            qk = _rotate(qk.transpose(1, 2), cos, sin)  # q and k heads in one rotation: half the small ops
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
             if even:
                 cache.k[i, slots, :, starts[0]:end] = k
                 cache.v[i, slots, :, starts[0]:end] = v.transpose(1, 2)

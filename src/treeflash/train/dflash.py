@@ -189,7 +189,8 @@ def setup(args):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     elif world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    target = Target.load(args.target, dtype=args.target_dtype, device=args.device)
+    # the dense weights: training was measured on them (a GGUF target's int4 kernels have no gradients either)
+    target = Target.load(args.target, dtype=args.target_dtype, device=args.device, quantize="none")
     target.model.requires_grad_(False)
     torch.manual_seed(args.seed)
     return rank, world, target

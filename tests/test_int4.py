@@ -1,0 +1,154 @@
+"""4-bit weights: GGUF blocks decode to what gguf-py dequantises, the int4 kernel multiplies by the dequantised
+weight, and every method stays exact on a target whose linears run on it."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from treeflash import DraftTree, Target, generate
+from treeflash.drafters import make_drafter
+from treeflash.models.gguf_int4 import int4_linear, int4_parts
+from treeflash.models.int4 import Int4Linear, Int4Weight, dequantise, quantise, quantise_model
+
+from conftest import OracleTreeDrafter, TINY
+from test_lossless import repetitive_prompt
+from test_target import check_tree_logits, random_tree
+
+FP32_ATOL = 1e-5  # fp32 products in another summation order
+FP32_RTOL = 1.3e-6  # torch.testing's own for fp32: sums of larger terms
+FP32_ULPS = 4 * float(np.finfo(np.float32).eps)
+# the dequantised fp32 target against the GGUF's own blocks with bf16 activations: bf16 rounds the activations
+# and the kernel's scales to 8 significant bits, over 30 layers (measured: max 0.93 on logits of magnitude 39)
+BF16_LOGIT_ATOL = 2.0
+BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.Q4_K: 144}
+
+
+def random_blocks(kind: Q, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
+    """Random bytes in `kind`'s block layout, with finite fp16 scales (the leading two fields)."""
+    rng = np.random.default_rng(seed)
+    size = BLOCK_BYTES[kind]
+    data = rng.integers(0, 256, (rows * blocks_per_row, size), dtype=np.uint8)
+    for at in (0, 2) if kind in (Q.Q4_1, Q.Q4_K) else (0,):
+        data[:, at:at + 2] = (0.01 * rng.standard_normal((len(data), 1))).astype(np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", list(BLOCK_BYTES), ids=lambda k: k.name)
+def test_gguf_blocks_decode_to_what_gguf_py_dequantises(kind):
+    data = random_blocks(kind, rows=32, blocks_per_row=2 if kind == Q.Q4_K else 8)
+    parts = int4_parts(data, kind)
+    weight = sum(dequantise(*(torch.from_numpy(a) for a in part)) for part in parts)
+    assert all(q.max() <= 15 for q, _, _ in parts)
+    # (q - 8) * scale + zero rounds otherwise than d * q - m: a few fp32 ulps of the largest weight apart
+    reference = dequantize(data, kind)
+    np.testing.assert_allclose(weight.numpy(), reference, rtol=0, atol=FP32_ULPS * np.abs(reference).max())
+
+
+def test_formats_that_do_not_map_exactly_are_refused():
+    data = quantize(np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32), Q.Q5_0)
+    with pytest.raises(KeyError):
+        int4_parts(data, Q.Q5_0)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
+def test_int4_linear_of_gguf_blocks_multiplies_by_the_dequantised_weight(kind):
+    dense = np.random.default_rng(1).standard_normal((48, 96)).astype(np.float32)
+    data = quantize(dense, kind)  # gguf-py's own quantiser
+    x = torch.randn(5, 96)
+    linear = int4_linear(data, kind, torch.float32)
+    torch.testing.assert_close(linear(x), x @ torch.from_numpy(dequantize(data, kind)).T, atol=FP32_ATOL,
+                               rtol=FP32_RTOL)
+    torch.testing.assert_close(linear.dense_weight(), torch.from_numpy(dequantize(data, kind)), atol=1e-6, rtol=0)
+
+
+def random_int4(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[Int4Weight, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = 0.01 + 0.01 * torch.rand(n, k // 32, generator=g)
+    zero = 0.01 * torch.randn(n, k // 32, generator=g)
+    return Int4Weight.from_ints(q, scale, zero, dtype), dequantise(q, scale, zero)
+
+
+def test_the_kernel_computes_every_row_on_its_own():
+    """The engine relies on it: a verified tree's products equal single-token steps', bit for bit, in bf16 too."""
+    for dtype in (torch.float32, torch.bfloat16):
+        w, _ = random_int4(64, 96, dtype)
+        x = torch.randn(17, 96).to(dtype)
+        rows = torch.cat([w.matmul(x[i:i + 1]) for i in range(17)])
+        assert torch.equal(w.matmul(x), rows)
+
+
+def test_fused_linears_equal_the_separate_ones_and_share_their_values():
+    parts = [Int4Linear([random_int4(n, 64, torch.float32, seed=n)[0]], bias=torch.randn(n)) for n in (128, 64, 48)]
+    x = torch.randn(3, 64)
+    separate = torch.cat([m(x) for m in parts], dim=-1)
+    fused = Int4Linear.fuse(parts)
+    torch.testing.assert_close(fused(x), separate, atol=FP32_ATOL, rtol=0)  # N's blocking may sum otherwise
+    assert torch.equal(torch.cat([m(x) for m in parts], dim=-1), separate)  # re-pointed to its rows
+    assert parts[1].parts[0].packed.data_ptr() == fused.parts[0].packed[128:].data_ptr()
+    # rows that are not whole packed blocks (a tiny model's 32-row k and v) do not fuse: they run one by one
+    assert Int4Linear.fuse([Int4Linear([random_int4(n, 64, torch.float32)[0]]) for n in (32, 32)]) is None
+
+
+def test_quantise_rounds_within_half_a_step():
+    w = torch.randn(32, 64)
+    q, scale, zero = quantise(w)
+    err = (dequantise(q, scale, zero) - w).abs()
+    assert (err <= scale.repeat_interleave(32, 1) / 2 + 1e-6).all()
+
+
+WIDE = dict(hidden_size=128, intermediate_size=256)  # k and v of 64 rows: whole packed blocks, so q|k|v fuse
+
+
+def int4_tiny(kind: str = "llama", runtime: str = "auto", **overrides) -> Target:
+    """A tiny random target whose linears (LM head aside) run on the int4 kernel, fp32 activations."""
+    from conftest import tiny_target
+
+    target = tiny_target(kind, runtime="hf", **overrides)
+    assert quantise_model(target.model, torch.float32) == 7 * TINY["num_hidden_layers"]
+    return Target(target.model, name=target.name, runtime=runtime, weights="int4")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama/wide"])
+def test_int4_static_runtime_gives_the_int4_models_own_logits(kind):
+    kind, _, wide = kind.partition("/")
+    target = int4_tiny(kind, **(WIDE if wide else {}))
+    assert target.runtime == "static"
+    assert (target.fast.layers[0].qkv.int4 is not None) == bool(wide)  # fused, or run one by one
+    rng = random.Random(0)
+    for n in (1, 5, 17):
+        check_tree_logits(target, [rng.randrange(96) for _ in range(9)], random_tree(rng, 96, n), atol=FP32_ATOL)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_methods_match_ar_on_an_int4_target(seed):
+    target = int4_tiny()
+    rng = random.Random(seed)
+    prompt = repetitive_prompt(rng, 96)
+    ar = generate(target, make_drafter("ar"), prompt, max_new_tokens=40).tokens
+    for budget in (4, 16):
+        assert generate(target, make_drafter("pld"), prompt, 40, budget=budget).tokens == ar
+        oracle = OracleTreeDrafter(ar, len(prompt), 96, seed=seed)
+        assert generate(target, oracle, prompt, 40, budget=budget).tokens == ar
+
+
+@pytest.mark.real
+def test_smollm2_keeps_its_gguf_blocks_and_stays_close_to_the_dequantised_model(smollm2):
+    """The embedded Q4_1 target on the int4 kernel (bf16, the CLI's default here) against its dequantised fp32
+    copy (the exact reference): every product is 4-bit, the logits agree within the named tolerance."""
+    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="gguf")
+    assert target.weights.quantised == {"Q4_1": 210, "Q8_0": 1} and not target.weights.dense
+    assert not any(type(m) is torch.nn.Linear for m in target.model.modules())
+    ids = target.encode_prompt("What is 7 times 8? Answer briefly.")
+    tree = DraftTree.chain(ids[-1], [28, 29, 30])
+    logits = []
+    for t in (target, smollm2):
+        t.prefill(ids[:-1])
+        logits.append(t.verify(tree).logits)
+        t.discard()
+    torch.testing.assert_close(logits[0], logits[1], atol=BF16_LOGIT_ATOL, rtol=0)
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
