@@ -29,11 +29,12 @@ def tiny_folder(tmp_path_factory):
 def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--target", tiny_folder, "--dataset", "gsm8k", "--limit", "2", "--methods", "pld",
-                 "--max-new-tokens", "12", "--out", str(out), "--no-progress"]) == 0
+                 "--max-new-tokens", "12", "--out", str(out), "--no-progress", "--dtype", "float32"]) == 0
     report = json.loads(out.read_text())
     assert report["target"] == tiny_folder and report["dataset"] == "gsm8k" and report["num_prompts"] == 2
     assert report["budgets"] == ["auto"] and report["temperature"] == 0.0 and report["max_new_tokens"] == 12
     assert report["dtype"] == "float32" and report["runtime"] == "static" and report["max_budget"] == 16
+    assert report["weights"] == "dense"  # not a GGUF target
     assert set(report["methods"]) == {"ar", "pld"}
     for m in report["methods"].values():
         assert isinstance(m["tau"], float) and m["tau"] >= 1.0
@@ -92,15 +93,32 @@ def test_bench_baselines_in_the_same_run(tiny_folder, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--target", tiny_folder, "--dataset", "gsm8k", "--limit", "2", "--methods",
                  "pld,hf,hf-pld,llamacpp", "--budget", "8", "--max-new-tokens", "10", "--out", str(out),
-                 "--no-progress"]) == 0
+                 "--no-progress", "--dtype", "float32"]) == 0
     methods = json.loads(out.read_text())["methods"]
     for name in ("hf", "hf-pld"):
         m = methods[name]
         assert m["matches_ar"] is True and m["budget"] is None and m["tau"] >= 1.0 and m["speedup_vs_ar"] > 0
     assert methods["hf"]["tau"] == 1.0
-    if "skipped" in methods["llamacpp"]:  # llama-cpp-python is an optional extra
-        assert "llama-cpp-python" in methods["llamacpp"]["skipped"]
-        assert "skipped" in capsys.readouterr().out
+    # llama-cpp-python is an optional extra, and it runs GGUF targets only
+    why = methods["llamacpp"]["skipped"]
+    assert "llama-cpp-python" in why or "GGUF" in why
+    assert "skipped" in capsys.readouterr().out
+
+
+@pytest.mark.real
+def test_llamacpp_baselines_decode_the_embedded_gguf_in_their_own_process():
+    pytest.importorskip("llama_cpp")
+    from treeflash import Sampling, Target
+    from treeflash.eval.baselines import make_baseline
+
+    target = Target.load("smollm2-135m-instruct", dtype="float32", quantize="none")
+    prompt = target.encode_prompt("Count from one to ten.")
+    for name in ("llamacpp", "llamacpp-pld"):
+        engine = make_baseline(name, target)
+        tokens, seconds, forwards = engine(prompt, 16, Sampling(), seed=0)
+        assert len(tokens) == 16 and seconds > 0 and 1 <= forwards <= 16
+        assert engine.worker.poll() is None  # the worker lives on between requests
+        assert engine(prompt, 16, Sampling(), seed=0)[0] == tokens  # greedy: the same answer again
 
 
 def test_bench_at_temperature_has_no_exactness(tiny_folder, tmp_path):
