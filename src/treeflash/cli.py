@@ -327,6 +327,13 @@ def _load_target(args):
                        quantize=getattr(args, "quantize", "auto"))
 
 
+def _max_rss_mib() -> float:
+    """This process's peak resident memory (the target, drafters and stock baselines; not llama.cpp's process)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _weights(target):
     """The target's weights for a JSON report: "dense", or what a GGUF's quantised tensors became."""
     return target.weights if isinstance(target.weights, str) else target.weights.as_dict()
@@ -463,7 +470,7 @@ def cmd_bench(args) -> None:
               "max_budget": args.max_budget, "tfm_widths": args.tfm_width, "draft_vocab": args.draft_vocab,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "dtype": dtype, "runtime": target.runtime,
-              "weights": _weights(target), "threads": torch.get_num_threads(),
+              "weights": _weights(target), "threads": torch.get_num_threads(), "max_rss_mib": _max_rss_mib(),
               "seconds": time.time() - started, "methods": methods}
     print(f"{args.dataset}: {len(prompts)} prompts, budget {','.join(map(str, args.budget))} (max {args.max_budget}), "
           f"T = {args.temperature}, {args.max_new_tokens} new tokens, target {args.target} ({dtype}, "

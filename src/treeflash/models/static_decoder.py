@@ -7,8 +7,10 @@ What makes it lean, each against what the generic HF path does:
   writes its tokens in place and commit is ONE gather into place for all layers (no per-layer cat or slice); a
   batch of sequences is one forward over several slots, each with its own length;
 - q|k|v and gate|up are one matrix each (one GEMM instead of three / two). The HF modules are re-pointed to
-  views of the fused matrices and the reference path keeps working; on the CPU every product (LM head included)
-  runs on a oneDNN-prepacked copy of its weight, which costs a second copy of the weights in memory;
+  views of the fused matrices and the reference path keeps working; on the CPU every dense product (LM head
+  included) runs on a oneDNN-prepacked copy of its weight, which costs a second copy of the weights in memory, and
+  a GGUF's 4-bit tensors (`Int4Linear`) fuse and run on PyTorch's int4 kernel, held once;
+- q and k are rotated together (one RoPE over their heads);
 - attention is SDPA with an explicit boolean mask (none for one token); grouped-query attention folds the query
   heads of a group into the query axis instead of repeating K/V;
 - only the tapped layers' outputs are kept, and the LM head runs only at the positions asked for.
