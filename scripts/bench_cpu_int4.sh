@@ -13,6 +13,6 @@ for t in $temperatures; do
   for d in $datasets; do
     .venv/bin/treeflash bench --dataset "$d" --limit 10 --max-new-tokens 128 --temperature "$t" \
       --methods ar,pld,dflash,ddtree,treeflash,tfm,hf,llamacpp,llamacpp-pld --no-progress \
-      --out "$out/bench-$d-T$t.json" > "$out/bench-$d-T$t.txt" 2>&1
+      --out "$out/bench-$d-T$t.json" > "$out/bench-$d-T$t.txt" 2>&1 || echo "bench $d T = $t failed: see $out/bench-$d-T$t.txt"
   done
 done

@@ -152,3 +152,18 @@ def test_smollm2_keeps_its_gguf_blocks_and_stays_close_to_the_dequantised_model(
         t.discard()
     torch.testing.assert_close(logits[0], logits[1], atol=BF16_LOGIT_ATOL, rtol=0)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_many_rows_run_on_the_second_layout_with_the_same_weights():
+    """From DENSE_ROWS rows on, a fused 4-bit projection multiplies by a dense packed copy of the kernel's own
+    weights: the same products within fp32 rounding."""
+    from treeflash.models.static_decoder import DENSE_ROWS, _Projection
+
+    linears = [Int4Linear([random_int4(n, 64, torch.float32, seed=n)[0]]) for n in (128, 64)]
+    separate = [Int4Linear(list(m.parts)) for m in linears]  # the same weights, kept out of the fusion
+    projection = _Projection(linears)
+    assert projection.int4 is not None and projection.packed is not None
+    x = torch.randn(DENSE_ROWS + 3, 64)
+    expected = torch.cat([m(x) for m in separate], dim=-1)
+    torch.testing.assert_close(projection(x), expected, atol=FP32_ATOL, rtol=FP32_RTOL)  # dense layout
+    torch.testing.assert_close(projection(x[:2]), expected[:2], atol=FP32_ATOL, rtol=FP32_RTOL)  # int4 kernel

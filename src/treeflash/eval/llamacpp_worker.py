@@ -21,8 +21,10 @@ def main() -> None:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     model, threads, context, draft = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    # with a draft model llama-cpp-python keeps every position's logits but sizes their buffer by logits_all
+    # (0.3.36: prompts longer than a batch overflow it), so ask for them outright
     llm = Llama(model_path=model, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False,
-                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
+                logits_all=bool(draft), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
     evals = 0
     plain_eval = llm.eval
 
