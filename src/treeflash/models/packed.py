@@ -28,6 +28,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     """F.linear(x, weight, bias), on `packed` (from `pack(weight)`) when there is one and no gradient is wanted."""
     if packed is None or x.dtype != weight.dtype or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
+    return packed_linear(x, packed, bias)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + bias on `packed` alone (inference, x in the packed weight's dtype)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

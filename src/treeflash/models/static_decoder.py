@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from .int4 import Int4Linear
-from .packed import linear, pack
+from .packed import linear, pack, packed_linear
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -66,12 +66,9 @@ class _Projection:
                 self.int4 = Int4Linear.fuse(linears)
             if self.int4 is None:
                 self.parts = linears
-            else:  # the second layout, for products of many rows: the kernel's own weights, dense and packed
-                self.weight = self.int4.dense_weight().to(self.int4.parts[0].scale_zeros.dtype)
+            else:  # the second layout, for products of many rows: the kernel's own weights, packed (alone)
+                self.packed = pack(self.int4.dense_weight().to(self.int4.parts[0].scale_zeros.dtype))
                 self.bias = self.int4.bias
-                self.packed = pack(self.weight)
-                if self.packed is None:
-                    del self.weight
             return
         has_bias = linears[0].bias is not None
         if len(linears) == 1:  # as it is: a tied LM head stays tied to the embeddings
@@ -90,8 +87,10 @@ class _Projection:
         self.packed = pack(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and (self.packed is None or x.numel() < DENSE_ROWS * x.shape[-1]):
-            return self.int4(x)
+        if self.int4 is not None:
+            if self.packed is None or x.numel() < DENSE_ROWS * x.shape[-1] or torch.is_grad_enabled():
+                return self.int4(x)
+            return packed_linear(x, self.packed, self.bias)
         if self.parts:
             return torch.cat([m(x) for m in self.parts], dim=-1)
         return linear(x, self.weight, self.packed, self.bias)
