@@ -9,8 +9,9 @@ GGUF's 4-bit formats (Q4_0, Q4_1, Q4_K) are exactly of this form (`models/gguf_i
 an 8-bit Q8_0 tensor split into its high and low nibbles: an `Int4Linear` sums the products of its parts.
 
 The kernel computes every row of x on its own (its result for a row does not depend on how many rows come with it,
-tested), so a verified tree's products equal single-token steps': speculation stays exact on this runtime. It is
-fast with bf16 activations; with fp32 activations it is correct but slow (the tests' exact path on tiny models).
+tested). It is fast with bf16 activations; with fp32 activations it is correct but slow (the tests' exact path on
+tiny models). The static runtime runs products of many rows on a dense copy of the same weights instead
+(`static_decoder.DENSE_ROWS`), which rounds otherwise: on bf16 a near-tie can flip there, as on the dense path.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def quantise_model(model: nn.Module, dtype: torch.dtype, group: int = GROUP) -> 
     number swapped. (torchao 0.18 has no CPU int4 layout left; its older one called this same kernel.)"""
     head = model.get_output_embeddings()
     swapped = 0
-    for name, module in list(model.named_modules()):
+    for _, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             n, k = getattr(child, "out_features", 0), getattr(child, "in_features", 0)
             if type(child) is not nn.Linear or child is head or n % 16 or k % group:

@@ -9,7 +9,8 @@ What makes it lean, each against what the generic HF path does:
 - q|k|v and gate|up are one matrix each (one GEMM instead of three / two). The HF modules are re-pointed to
   views of the fused matrices and the reference path keeps working; on the CPU every dense product (LM head
   included) runs on a oneDNN-prepacked copy of its weight, which costs a second copy of the weights in memory, and
-  a GGUF's 4-bit tensors (`Int4Linear`) fuse and run on PyTorch's int4 kernel, held once;
+  a GGUF's 4-bit tensors (`Int4Linear`) fuse and run on PyTorch's int4 kernel (held once by the fused module and
+  the HF modules), with a packed dense copy for products of DENSE_ROWS rows or more;
 - q and k are rotated together (one RoPE over their heads);
 - attention is SDPA with an explicit boolean mask (none for one token); grouped-query attention folds the query
   heads of a group into the query axis instead of repeating K/V;
