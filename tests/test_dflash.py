@@ -161,13 +161,13 @@ def test_draft_vocabulary_scores_only_its_tokens(tmp_path):
     on those tokens are unchanged, every other token is -inf, and decoding stays lossless."""
     from treeflash.cli import main
     from treeflash.drafters.dflash import load_block_drafter
+    from treeflash.train.store import AnswerStore
 
     target = tiny_target("llama")
     tiny_drafter(target, seed=1).save_pretrained(tmp_path / "d", dtype=torch.float32)
     data = tmp_path / "regen"
-    data.mkdir()
-    rows = [{"id": f"x/{i}", "prompt_ids": [1], "response_ids": [5, 5, 5, 7, 7, 9, i % 96]} for i in range(40)]
-    (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    AnswerStore(data).append([f"gsm8k/{i}" for i in range(40)], [[1]] * 40,
+                             [[5, 5, 5, 7, 7, 9, i % 96] for i in range(40)], {"target": "tiny", "temperature": 0.0})
     assert main(["data", "rank", "--data", str(data), "--drafter", str(tmp_path / "d"), "--size", "24"]) == 0
     ranking = json.loads((tmp_path / "d" / "token_ranking.json").read_text())["ranking"]
     assert ranking[:3] == [5, 7, 9] and len(ranking) == 40

@@ -10,7 +10,7 @@ import torch
 
 from treeflash.cli import main
 from treeflash.models.dflash import DFlashDrafter, DrafterError
-from treeflash.train.data import load_regen
+from treeflash.train.store import AnswerStore, load_answers
 from treeflash.train.dflash import Sequence, block_mask, dflash_loss, sample_anchors, target_view
 from treeflash.train.losses import cosine_lr, forward_kl, position_weights
 
@@ -68,22 +68,36 @@ def test_a_few_steps_learn():
     assert stats["loss"] < 0.5 * first
 
 
-def write_regen(folder, n=6, length=40):
-    folder.mkdir(parents=True, exist_ok=True)
+def write_store(tmp_path, target_folder, n=6, length=40):
+    """A prompt set (gsm8k/train.jsonl under tmp_path/data) and an answer store (tmp_path/regen) of random answers
+    to it, as `data regen` would write them for the target in `target_folder`."""
+    from treeflash.target import Target
+
+    data = tmp_path / "data"
+    (data / "gsm8k").mkdir(parents=True, exist_ok=True)
+    questions = [f"What is {i} times {i}?" for i in range(n)]
+    (data / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": q}) + "\n" for q in questions))
+    encode = Target.load(target_folder, dtype="float32").encode_prompt
     g = torch.Generator().manual_seed(0)
-    rows = [{"id": f"t/{i}", "prompt_ids": torch.randint(0, 90, (6,), generator=g).tolist(),
-             "response_ids": torch.randint(0, 90, (length,), generator=g).tolist()} for i in range(n)]
-    (folder / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answers = [torch.randint(0, 90, (length,), generator=g).tolist() for _ in range(n)]
+    AnswerStore(tmp_path / "regen").append([f"gsm8k/{i}" for i in range(n)], [encode(q) for q in questions], answers,
+                                           STORE_META)
+    return tmp_path / "regen"
+
+
+STORE_META = {"target": "tiny", "dtype": "float32", "temperature": 0.0, "seed": 0, "max_new_tokens": 40,
+              "commit": None, "command": "test"}
 
 
 def train_args(tmp_path, target, out, steps):
     return ["train", "dflash", "--target", target, "--data", str(tmp_path / "regen"), "--out", str(out),
-            "--steps", str(steps), "--batch-size", "2", "--layers", "1", "--taps", "2", "--block-size", "4",
-            "--num-anchors", "4", "--save-every", "2", "--log-every", "1", "--target-dtype", "float32"]
+            "--data-dir", str(tmp_path / "data"), "--steps", str(steps), "--batch-size", "2", "--layers", "1",
+            "--taps", "2", "--block-size", "4", "--num-anchors", "4", "--save-every", "2", "--log-every", "1",
+            "--target-dtype", "float32"]
 
 
 def test_resume_is_exact(tmp_path, tiny_folder):  # noqa: F811
-    write_regen(tmp_path / "regen")
+    write_store(tmp_path, tiny_folder)
     assert main(train_args(tmp_path, tiny_folder, tmp_path / "straight", 4)) == 0
     assert main(train_args(tmp_path, tiny_folder, tmp_path / "resumed", 2)) == 0
     assert main(train_args(tmp_path, tiny_folder, tmp_path / "resumed", 4)) == 0  # picks up at step 2
@@ -100,7 +114,7 @@ def test_trained_drafters_use_a_mask_token(tmp_path, tiny_folder):  # noqa: F811
     """`train dflash` writes the published format: dflash_config.mask_token_id, no mask embedding tensor."""
     from safetensors.torch import load_file
 
-    write_regen(tmp_path / "regen")
+    write_store(tmp_path, tiny_folder)
     for choice, expected in ((None, 16), ("<file_sep>", 5), ("9", 9)):  # the default, a token's text, an id
         out = tmp_path / f"run-{expected}"
         args = train_args(tmp_path, tiny_folder, out, 1) + (["--mask-token", choice] if choice else [])
@@ -113,7 +127,7 @@ def test_trained_drafters_use_a_mask_token(tmp_path, tiny_folder):  # noqa: F811
 
 def test_resume_refuses_another_models_checkpoint(tmp_path, tiny_folder, capsys):  # noqa: F811
     """A run folder of another model shape is an error, never a silent partial load."""
-    write_regen(tmp_path / "regen")
+    write_store(tmp_path, tiny_folder)
     assert main(train_args(tmp_path, tiny_folder, tmp_path / "run", 2)) == 0
     wider = train_args(tmp_path, tiny_folder, tmp_path / "run", 4)
     wider[wider.index("--layers") + 1] = "2"
@@ -122,7 +136,7 @@ def test_resume_refuses_another_models_checkpoint(tmp_path, tiny_folder, capsys)
 
 
 def test_torchrun_two_processes(tmp_path, tiny_folder):  # noqa: F811
-    write_regen(tmp_path / "regen")
+    write_store(tmp_path, tiny_folder)
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
            "-m", "treeflash.cli", *train_args(tmp_path, tiny_folder, out, 2)]
@@ -133,37 +147,102 @@ def test_torchrun_two_processes(tmp_path, tiny_folder):  # noqa: F811
     assert len(open(out / "log.jsonl").readlines()) == 2
 
 
-def test_regen_is_batched_and_resumable(tmp_path, tiny_folder):  # noqa: F811
+def _gsm8k_prompts(tmp_path, n):
+    data = tmp_path / "data"
+    (data / "gsm8k").mkdir(parents=True, exist_ok=True)
+    (data / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n"
+                                                        for i in range(n)))
+    return data
+
+
+def test_regen_appends_to_a_store_and_resumes_from_it(tmp_path, tiny_folder):  # noqa: F811
     from treeflash.train.data import source_commit
 
-    data = tmp_path / "data"
-    (data / "gsm8k").mkdir(parents=True)
-    (data / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n"
-                                                        for i in range(5)))
+    data = _gsm8k_prompts(tmp_path, 5)
     args = ["data", "regen", "--target", tiny_folder, "--data-dir", str(data), "--sources", "gsm8k",
-            "--out", str(tmp_path / "regen"), "--batch-size", "2", "--max-new-tokens", "5", "--dtype", "float32"]
+            "--out", str(tmp_path / "regen"), "--batch-size", "2", "--shard-size", "2", "--max-new-tokens", "5",
+            "--dtype", "float32"]
     assert main(args) == 0
-    rows = [json.loads(line) for f in sorted((tmp_path / "regen").glob("shard-*.jsonl")) for line in open(f)]
-    assert len(rows) == 5 and len({r["id"] for r in rows}) == 5
-    assert len(list((tmp_path / "regen").glob("shard-*.jsonl"))) == 3  # batches of 2
-    assert all(1 <= len(r["response_ids"]) <= 5 for r in rows)
-    assert main(args) == 0  # nothing left to do
-    assert len(list((tmp_path / "regen").glob("shard-*.jsonl"))) == 3
-    out = tmp_path / "manifest.json"  # what the folder holds and which runs made it
+    store = AnswerStore(tmp_path / "regen")
+    entries = store.entries()
+    assert [e["answers"] for e in entries] == [2, 2, 1]  # shards of 2
+    answers = list(store.answers())
+    assert sorted(a.id for a in answers) == [f"gsm8k/{i}" for i in range(5)]
+    assert all(1 <= len(a.response_ids) <= 5 and a.temperature == 0.0 for a in answers)
+    assert all(e["commit"] == source_commit() and e["target"] == tiny_folder and e["seed"] == 0 for e in entries)
+    assert entries[0]["command"].startswith("treeflash data regen --target")
+    assert main(args) == 0  # nothing left to do: no new shard
+    assert len(store.entries()) == 3 and store.verify() == []
+    out = tmp_path / "manifest.json"
     assert main(["data", "manifest", str(tmp_path / "regen"), "--out", str(out)]) == 0
-    held = json.loads(out.read_text())["regen"]
-    assert held["answers"] == 5 and held["by_source"]["gsm8k T=0"]["answers"] == 5
-    assert held["by_source"]["gsm8k T=0"]["tokens"] == sum(len(r["response_ids"]) for r in rows)
-    assert [r["event"] for r in held["runs"]] == ["started", "finished"]  # the resume that made nothing is left out
-    assert held["runs"][1]["prompts"] == 5
-    assert all(r["commit"] == source_commit() for r in held["runs"])  # the checkout's HEAD (None outside git)
+    held = json.loads(out.read_text())[0]
+    assert held["answers"] == 5 and held["by_source"] == {"gsm8k T=0": {"answers": 5}}
+    assert held["tokens"] == sum(len(a.response_ids) for a in answers) and len(held["runs"]) == 1
+    assert main(["data", "check", str(tmp_path / "regen")]) == 0
+    # training reads the prompts back by id and encodes them: the ids the answers were made for
+    from treeflash.target import Target
+
+    target = Target.load(tiny_folder, dtype="float32")
+    rows = load_answers(tmp_path / "regen", target.encode_prompt, data)
+    assert [r["prompt_ids"] for r in rows] == [target.encode_prompt(f"What is {i} + {i}?") for i in range(5)]
+
+
+def test_the_store_finds_what_is_wrong_with_it(tmp_path, tiny_folder, capsys):  # noqa: F811
+    """Changed, missing and stray shards; a prompt that no longer encodes to its answer's ids; another target."""
+    from treeflash.eval.datasets import DatasetError
+    from treeflash.target import Target
+
+    folder = write_store(tmp_path, tiny_folder)
+    store = AnswerStore(folder)
+    encode = Target.load(tiny_folder, dtype="float32").encode_prompt
+    with pytest.raises(DatasetError, match="holds answers of target 'tiny'"):
+        store.append(["gsm8k/9"], [[1]], [[2]], {**STORE_META, "target": "another"})
+    (data := tmp_path / "data" / "gsm8k" / "train.jsonl").write_text(data.read_text().replace("What", "Who"))
+    with pytest.raises(DatasetError, match="6 prompts encode to other ids"):
+        load_answers(folder, encode, tmp_path / "data")
+    (folder / "stray.npz").write_bytes(b"x")
+    shard = folder / store.entries()[0]["shard"]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"!")
+    assert store.verify() == ["shard-00000.npz: sha256 differs from the manifest's", "stray.npz: not in the manifest"]
+    assert main(["data", "check", str(folder)]) == 1
+    assert "sha256 differs" in capsys.readouterr().err
+    shard.unlink()
+    assert store.verify()[0] == "shard-00000.npz: missing"
+
+
+def test_old_jsonl_folders_import_into_a_store(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    rows = [{"id": f"gsm8k/{i}", "prompt_ids": [1, i], "response_ids": [3] * (i + 1), "temperature": 0.0}
+            for i in range(5)]
+    (old / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (old / "runs.jsonl").write_text(json.dumps({"event": "started", "commit": "abc", "target": "t", "dtype": "bfloat16",
+                                                "seed": 0, "max_new_tokens": 8, "batch_size": 2}) + "\n")
+    assert main(["data", "import", str(old), "--into", str(tmp_path / "store"), ]) == 0
+    assert main(["data", "import", str(old), "--into", str(tmp_path / "store"), ]) == 0  # nothing twice
+    store = AnswerStore(tmp_path / "store")
+    assert [(a.id, a.response_ids) for a in store.answers()] == [(r["id"], r["response_ids"]) for r in rows]
+    assert store.entries()[0]["command"] == "treeflash data regen --target t --dtype bfloat16 --seed 0 " \
+        "--max-new-tokens 8 --batch-size 2" and store.verify() == []
+
+
+def test_the_repository_store_matches_its_manifest():
+    """data/answers, the answers the shipped drafters train on: every shard as its manifest line records it."""
+    from pathlib import Path
+
+    from treeflash.train.data import SOURCES
+
+    store = AnswerStore(Path(__file__).parent.parent / "data" / "answers")
+    assert store.entries(), "the repository's answer store is empty"
+    assert store.verify() == []
+    assert {i.split("/")[0] for e in store.entries() for i in e["ids"]} <= set(SOURCES)
 
 
 def test_the_chat_dev_set_is_held_out(tmp_path, monkeypatch):
     """A fixed 5 % of the ShareGPT prompts, by a seeded hash of their ids: never regenerated, never trained on
-    (even from folders written before the split), and what `--dataset chat-dev` reads."""
+    (even from stores written before the split), and what `--dataset chat-dev` reads."""
     from treeflash.eval.datasets import is_chat_dev, load_prompts
-    from treeflash.train.data import load_regen, training_prompts
+    from treeflash.train.data import training_prompts
 
     dev = [i for i in range(2000) if is_chat_dev(f"sharegpt/{i}")]
     assert 80 <= len(dev) <= 120 and dev == [i for i in range(2000) if is_chat_dev(f"sharegpt/{i}")]
@@ -177,31 +256,31 @@ def test_the_chat_dev_set_is_held_out(tmp_path, monkeypatch):
     assert held_out == [f"chat {i}" for i in dev if i < 200] and held_out
     trained = training_prompts(data, ["sharegpt"])
     assert len(trained) + len(held_out) == 200 and not set(p for _, p in trained) & set(held_out)
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "shard-00000.jsonl").write_text("".join(
-        json.dumps({"id": f"sharegpt/{i}", "prompt_ids": [1], "response_ids": [2]}) + "\n" for i in range(200)))
-    assert {r["id"] for r in load_regen(tmp_path / "old")} == {i for i, _ in trained}
+    store = AnswerStore(tmp_path / "old")
+    store.append([f"sharegpt/{i}" for i in range(200)], [[1]] * 200, [[2]] * 200, STORE_META)
+    assert {a.id for a in store.answers()} == {i for i, _ in trained}
+    assert store.summary()["answers"] == len(trained)
 
 
-def test_regen_samples_at_a_temperature_and_training_reads_several_folders(tmp_path, tiny_folder):  # noqa: F811
-    data = tmp_path / "data"
-    (data / "gsm8k").mkdir(parents=True)
-    (data / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n"
-                                                        for i in range(4)))
+def test_regen_samples_at_a_temperature_and_training_reads_both(tmp_path, tiny_folder):  # noqa: F811
+    from treeflash.target import Target
+
+    data = _gsm8k_prompts(tmp_path, 4)
+    encode = Target.load(tiny_folder, dtype="float32").encode_prompt
 
     def regen(out, *extra):
         assert main(["data", "regen", "--target", tiny_folder, "--data-dir", str(data), "--sources", "gsm8k",
                      "--out", str(out), "--batch-size", "4", "--max-new-tokens", "8", "--dtype", "float32",
                      *extra]) == 0
-        return {r["id"]: r for r in load_regen(out)}
+        return load_answers(out, encode, data)
 
-    greedy, sampled = regen(tmp_path / "greedy"), regen(tmp_path / "t1", "--temperature", "1", "--seed", "3")
-    assert {r["temperature"] for r in greedy.values()} == {0.0}
-    assert {r["temperature"] for r in sampled.values()} == {1.0}
-    assert any(sampled[i]["response_ids"] != greedy[i]["response_ids"] for i in greedy)  # a random tiny model
-    assert regen(tmp_path / "again", "--temperature", "1", "--seed", "3") == sampled  # seeded: reproducible
-    both = load_regen(f"{tmp_path / 'greedy'},{tmp_path / 't1'}")
+    greedy = {r["id"]: r for r in regen(tmp_path / "store")}
+    both = regen(tmp_path / "store", "--temperature", "1", "--seed", "3")  # appended to the same store
     assert len(both) == 8 and [r["temperature"] for r in both] == [0.0] * 4 + [1.0] * 4
+    sampled = {r["id"]: r for r in both[4:]}
+    assert any(sampled[i]["response_ids"] != greedy[i]["response_ids"] for i in greedy)  # a random tiny model
+    assert regen(tmp_path / "again", "--temperature", "1", "--seed", "3") == both[4:]  # seeded: reproducible
+    assert len(regen(tmp_path / "store", "--temperature", "1", "--seed", "3")) == 8  # resumed: nothing new
 
 
 def test_continuous_regen_gives_the_padded_hf_batches_answers(tmp_path, tiny_folder):  # noqa: F811
@@ -218,10 +297,12 @@ def test_continuous_regen_gives_the_padded_hf_batches_answers(tmp_path, tiny_fol
     assert fast == slow and len(fast) == 7
 
     texts = [(i, f"Tell me about {i}.") for i in "abcdef"]
-    regenerate(target, texts, tmp_path / "whole", 10, 4, seed=5, temperature=1.0)
-    regenerate(target, texts[:2], tmp_path / "resumed", 10, 4, seed=5, temperature=1.0)  # interrupted ...
-    regenerate(target, texts, tmp_path / "resumed", 10, 4, seed=5, temperature=1.0)  # ... and resumed
-    assert load_regen(tmp_path / "whole") == load_regen(tmp_path / "resumed")
+    whole, resumed = AnswerStore(tmp_path / "whole"), AnswerStore(tmp_path / "resumed")
+    regenerate(target, texts, whole, STORE_META, 10, 4, seed=5, temperature=1.0)
+    regenerate(target, texts[:2], resumed, STORE_META, 10, 4, seed=5, temperature=1.0)  # interrupted ...
+    regenerate(target, texts, resumed, STORE_META, 10, 4, seed=5, temperature=1.0)  # ... and resumed
+    assert sorted((a.id, a.response_ids) for a in whole.answers()) == \
+        sorted((a.id, a.response_ids) for a in resumed.answers())
 
 
 def test_regen_refuses_a_missing_prompt_set(tmp_path, capsys):
@@ -230,12 +311,12 @@ def test_regen_refuses_a_missing_prompt_set(tmp_path, capsys):
 
 
 def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa: F811
-    write_regen(tmp_path / "regen")
+    write_store(tmp_path, tiny_folder)
     assert main(train_args(tmp_path, tiny_folder, tmp_path / "backbone", 2)) == 0
     backbone = tmp_path / "backbone" / "drafter"
     args = ["train", "treeflash", "--backbone", str(backbone), "--freeze-backbone", "--target", tiny_folder,
-            "--data", str(tmp_path / "regen"), "--out", str(tmp_path / "tf"), "--steps", "3", "--batch-size", "2",
-            "--num-anchors", "4", "--lr", "1e-2", "--target-dtype", "float32"]
+            "--data", str(tmp_path / "regen"), "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "tf"),
+            "--steps", "3", "--batch-size", "2", "--num-anchors", "4", "--lr", "1e-2", "--target-dtype", "float32"]
     assert main(args) == 0
 
     before, after = DFlashDrafter.from_pretrained(backbone), DFlashDrafter.from_pretrained(tmp_path / "tf" / "drafter")
@@ -273,7 +354,7 @@ def test_treeflash_training_on_a_frozen_backbone(tmp_path, tiny_folder):  # noqa
 
 
 def test_init_goes_on_training_a_dflash_drafter(tmp_path, tiny_folder):  # noqa: F811
-    write_regen(tmp_path / "regen")
+    write_store(tmp_path, tiny_folder)
     assert main(train_args(tmp_path, tiny_folder, tmp_path / "first", 2)) == 0
     first = DFlashDrafter.from_pretrained(tmp_path / "first" / "drafter")
     more = train_args(tmp_path, tiny_folder, tmp_path / "more", 1)

@@ -20,7 +20,7 @@ from conftest import tiny_target
 from test_cli import tiny_folder  # noqa: F401  (fixture)
 from test_dflash import tiny_drafter
 from test_lossless import repetitive_prompt
-from test_train import write_regen
+from test_train import write_store
 
 
 def tiny_weaver(drafter, seed=3, random_residual=True, **kw) -> Weaver:
@@ -215,7 +215,7 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     from treeflash.models.dflash import DFlashConfig, DFlashDrafter
 
     assert main(["generate", "hi", "--method", "tfm", "--target", tiny_folder]) == 2  # no --weaver: one-line error
-    write_regen(tmp_path / "regen")
+    write_store(tmp_path, tiny_folder)
     model = AutoModelForCausalLM.from_pretrained(tiny_folder)
     torch.manual_seed(0)
     backbone = DFlashDrafter(DFlashConfig.for_target(model.config, num_layers=1, num_taps=2, block_size=4,
@@ -224,7 +224,7 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     backbone.save_pretrained(tmp_path / "tf", dtype=torch.float32)
     out = tmp_path / "run"
     args = ["train", "weaver", "--backbone", str(tmp_path / "tf"), "--target", tiny_folder, "--data",
-            str(tmp_path / "regen"), "--out", str(out), "--steps", "2", "--batch-size", "2", "--num-anchors", "4",
+            str(tmp_path / "regen"), "--data-dir", str(tmp_path / "data"), "--out", str(out), "--steps", "2", "--batch-size", "2", "--num-anchors", "4",
             "--top-k", "64", "--lr", "1e-2", "--target-dtype", "float32", "--save-every", "2", "--log-every", "1"]
     assert main(args) == 0
     weaver = Weaver.from_pretrained(out / "weaver")

@@ -126,6 +126,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
 def build_parser() -> Parser:
     from .drafters import METHODS
     from .target import DEFAULT_TARGET
+    from .train.store import DEFAULT_STORE
 
     parser = Parser(prog="treeflash", description="Lossless tree speculative decoding with one-shot block drafters.")
     parser.add_argument("--version", action="version", version=f"treeflash {__version__}")
@@ -219,14 +220,16 @@ def build_parser() -> Parser:
 
     data = sub.add_parser("data", help="training data").add_subparsers(dest="data_command", required=True,
                                                                       parser_class=Parser)
-    rg = data.add_parser("regen", help="the target regenerates the answers of training prompts (resumable)")
-    rg.add_argument("--out", default="data/regen", help="folder of JSONL shards (data/regen)")
+    rg = data.add_parser("regen", help="the target regenerates the answers of training prompts into an answer store "
+                         "(appends; resumes from what the store holds)")
+    rg.add_argument("--out", default=DEFAULT_STORE, help=f"the answer store ({DEFAULT_STORE}: the repository's)")
     rg.add_argument("--sources", default="gsm8k,mbpp,sharegpt,code_alpaca",
                     help="training prompt sets (gsm8k,mbpp,sharegpt,code_alpaca); never the test splits")
     rg.add_argument("--data-dir", default=None, help="where the prompt sets are (../shared/data, or TREEFLASH_DATA)")
     rg.add_argument("--limit", type=_positive_int, default=None, help="at most this many prompts in all")
     rg.add_argument("--batch-size", type=_positive_int, default=32)
     rg.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    rg.add_argument("--shard-size", type=_positive_int, default=512, help="answers per shard of the store (512)")
     rg.add_argument("--target", default=DEFAULT_TARGET)
     rg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     rg.add_argument("--device", default=None)
@@ -236,15 +239,22 @@ def build_parser() -> Parser:
 
     rk = data.add_parser("rank", help="rank tokens by frequency in regenerated answers, for a drafter's FR-Spec "
                          "draft vocabulary (writes token_ranking.json beside its config.json)")
-    rk.add_argument("--data", default="data/regen", help="folder(s) written by `treeflash data regen` (commas)")
+    rk.add_argument("--data", default=DEFAULT_STORE, help=f"answer store(s), commas ({DEFAULT_STORE})")
     rk.add_argument("--drafter", required=True, help="drafter folder to write token_ranking.json into")
     rk.add_argument("--size", type=int, default=None,
                     help="also set draft_vocab_size = N in its config.json (0: the whole vocabulary)")
 
-    mf = data.add_parser("manifest", help="answers and tokens per source in regenerated folders, and the runs and "
-                         "commits that made them (JSON; commit it beside the drafters trained on them)")
-    mf.add_argument("data", help="folder(s) written by `treeflash data regen` (commas)")
+    mf = data.add_parser("manifest", help="what answer stores hold: answers per source and temperature, tokens, and "
+                         "the commands and commits that made them (JSON)")
+    mf.add_argument("data", nargs="?", default=DEFAULT_STORE, help=f"answer store(s), commas ({DEFAULT_STORE})")
     mf.add_argument("--out", default=None, help="also write the JSON here")
+    ck = data.add_parser("check", help="check an answer store against its manifest: shards present, sha256 and "
+                         "counts as recorded, no id answered twice, no stray files (exit 1 on a problem)")
+    ck.add_argument("data", nargs="?", default=DEFAULT_STORE, help=f"the answer store ({DEFAULT_STORE})")
+    im = data.add_parser("import", help="move a folder of JSONL shards (data regen before the answer store) into "
+                         "an answer store")
+    im.add_argument("folder", help="the old folder (shard-*.jsonl and runs.jsonl)")
+    im.add_argument("--into", default=DEFAULT_STORE, help=f"the answer store ({DEFAULT_STORE})")
 
     ex = sub.add_parser("export", help="write a drafter in the published DFlash (and TreeFlash) format, with the "
                         "command lines that serve it in SGLang and vLLM")
@@ -284,8 +294,10 @@ def build_parser() -> Parser:
     for t in (td, tt):
         t.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
     for t, out in ((td, "runs/dflash"), (tt, "runs/treeflash"), (tw, "runs/weaver")):
-        t.add_argument("--data", default="data/regen",
-                       help="folder written by `treeflash data regen`, or several separated by commas")
+        t.add_argument("--data", default=DEFAULT_STORE,
+                       help=f"answer store written by `treeflash data regen` ({DEFAULT_STORE}), or several, commas")
+        t.add_argument("--data-dir", default=None, help="where the prompt sets are, read back by id "
+                       "(../shared/data, or TREEFLASH_DATA)")
         t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, {'weaver' if t is tw else 'drafter'}/ ({out})")
         t.add_argument("--target", default=DEFAULT_TARGET)
         t.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -598,46 +610,52 @@ def cmd_gdn_bench(args) -> None:
 
 
 def cmd_data(args) -> None:
+    import shlex
     from pathlib import Path
 
     from .eval.datasets import default_data_dir
-    from .train.data import manifest, record_run, regenerate, training_prompts
+    from .train.data import regenerate, source_commit, training_prompts
+    from .train.store import AnswerStore, import_jsonl, stores
 
     if args.data_command == "rank":
         return cmd_rank(args)
     if args.data_command == "manifest":
-        text = json.dumps(manifest(args.data), indent=2)
+        text = json.dumps([store.summary() for store in stores(args.data)], indent=2)
         if args.out:
             Path(args.out).write_text(text + "\n")
         return print(text)
+    if args.data_command == "check":
+        store = stores(args.data)[0]
+        problems = store.verify()
+        for problem in problems:
+            print(f"{store.folder}/{problem}", file=sys.stderr)
+        print(json.dumps({"store": str(store.folder), "shards": len(store.entries()), "problems": len(problems)}))
+        return 1 if problems else None
+    if args.data_command == "import":
+        return print(json.dumps({"added": import_jsonl(args.folder, AnswerStore(args.into)), "store": args.into}))
 
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     prompts = training_prompts(data_dir, [s.strip() for s in args.sources.split(",") if s.strip()])
     if args.limit:
         prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
-    settings = {k: getattr(args, k) for k in ("sources", "limit", "batch_size", "max_new_tokens", "target", "dtype",
-                                              "seed", "temperature")}
-    record_run(Path(args.out), settings)
-    report = regenerate(_load_target(args), prompts, Path(args.out), args.max_new_tokens, args.batch_size,
-                        seed=args.seed, temperature=args.temperature)
-    record_run(Path(args.out), settings, report)
+    meta = {"target": args.target, "dtype": args.dtype, "commit": source_commit(),
+            "command": shlex.join(args.command_line)}
+    report = regenerate(_load_target(args), prompts, AnswerStore(args.out), meta, args.max_new_tokens,
+                        args.batch_size, seed=args.seed, temperature=args.temperature, shard_size=args.shard_size)
     print(json.dumps(report))
 
 
 def cmd_rank(args) -> None:
     from pathlib import Path
 
-    from .eval.datasets import DatasetError
     from .models.dflash import RANKING_FILE
-    from .train.data import load_regen, token_ranking
+    from .train.data import token_ranking
+    from .train.store import stores
 
     folder = Path(args.drafter)
     if not (folder / "config.json").is_file():
         raise UsageError(f"no drafter at {folder} (config.json missing)")
-    try:
-        ranking, stats = token_ranking(load_regen(args.data))
-    except DatasetError as err:
-        raise UsageError(str(err)) from None
+    ranking, stats = token_ranking([a.response_ids for store in stores(args.data) for a in store.answers()])
     (folder / RANKING_FILE).write_text(json.dumps({"data": args.data, **stats, "ranking": ranking}) + "\n")
     if args.size is not None:
         config = json.loads((folder / "config.json").read_text())
@@ -669,10 +687,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         args = build_parser().parse_args(argv)
+        args.command_line = ["treeflash", *(sys.argv[1:] if argv is None else argv)]  # what the manifests record
         _quiet_libraries()
-        {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "paired": cmd_paired,
-         "overhead": cmd_overhead, "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
-         "export": cmd_export, "train": cmd_train}[args.command](args)
+        status = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "paired": cmd_paired,
+                  "overhead": cmd_overhead, "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
+                  "export": cmd_export, "train": cmd_train}[args.command](args)
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)
         return 130
@@ -685,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"treeflash: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0  # a command returns 1 when what it checked failed
 
 
 def _quiet_libraries() -> None:

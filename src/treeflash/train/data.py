@@ -3,16 +3,16 @@
 Drafters learn to predict what the target itself writes, so the training text is the target's own greedy output
 for training prompts (GSM8K train, the MBPP tasks outside its test split, ShareGPT and Code Alpaca prompts), never
 the evaluation splits. Generation is batched (continuous batching on the static runtime, else left-padded HF
-`generate` batches) and resumable: each batch of answers lands atomically as its own JSONL shard, and a rerun skips
-the prompt ids already written.
+`generate` batches) and resumable: answers land in an answer store (`store.py`) a shard at a time, and a rerun skips
+the prompt ids the store holds.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -22,6 +22,7 @@ from tqdm import tqdm
 from ..eval.datasets import SHAREGPT, DatasetError, is_chat_dev, read_jsonl
 from ..target import Target
 from ..verify import Sampling
+from .store import AnswerStore
 
 MBPP_TEST_IDS = range(11, 511)  # the MBPP test split: never trained on
 
@@ -54,21 +55,6 @@ def training_prompts(data_dir: Path, sources: list[str]) -> list[tuple[str, str]
     return out
 
 
-def done_ids(out_dir: Path) -> set[str]:
-    return {row["id"] for shard in sorted(out_dir.glob("shard-*.jsonl")) for row in read_jsonl(shard)}
-
-
-def write_shard(out_dir: Path, rows: list[dict]) -> Path:
-    index = len(list(out_dir.glob("shard-*.jsonl")))
-    path = out_dir / f"shard-{index:05d}.jsonl"
-    tmp = out_dir / f".{path.name}.tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    tmp.rename(path)  # atomic: an interrupted batch leaves no half shard
-    return path
-
-
 @torch.inference_mode()
 def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int,
                    temperature: float = 0.0) -> list[list[int]]:
@@ -93,29 +79,40 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
     return answers
 
 
-def regenerate(target: Target, prompts: list[tuple[str, str]], out_dir: Path, max_new_tokens: int = 256,
-               batch_size: int = 32, max_prompt_tokens: int = 512, seed: int = 0, temperature: float = 0.0) -> dict:
-    """Write the target's answers for `prompts` as JSONL shards of `batch_size` answers in `out_dir`; returns
-    throughput figures.
+def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStore, meta: dict,
+               max_new_tokens: int = 256, batch_size: int = 32, max_prompt_tokens: int = 512, seed: int = 0,
+               temperature: float = 0.0, shard_size: int = 512) -> dict:
+    """Append the target's answers for `prompts` to `store`, a shard of `shard_size` answers at a time (`meta`:
+    what its manifest lines record of the run); prompts the store answered already at this temperature (and seed,
+    when sampling) are skipped, so a rerun resumes. Returns throughput figures.
 
     Greedy answers (temperature 0) only ever show a drafter previous tokens that are the target's argmax; sampled
     ones (temperature 1) also show it the other tokens that tree branches and T > 0 decoding condition on."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    skip = done_ids(out_dir)
+    skip = store.done(temperature, seed)
     todo = [(i, p) for i, p in prompts if i not in skip]
     random.Random(seed).shuffle(todo)  # sources mixed, so a partial run is still a balanced sample
     encoded = [(i, target.encode_prompt(p)) for i, p in todo]
     encoded = [(i, ids) for i, ids in encoded if len(ids) <= max_prompt_tokens]
     too_long = len(todo) - len(encoded)
-    tokens, started = 0, time.time()
+    meta = {**meta, "temperature": temperature, "seed": seed, "max_new_tokens": max_new_tokens}
+    tokens, started, pending = 0, time.time(), []
     bar = tqdm(total=len(encoded), desc="regen", unit="prompt")
+
+    def flush():
+        store.append([r["id"] for r in pending], [r["prompt_ids"] for r in pending],
+                     [r["response_ids"] for r in pending], meta)
+        pending.clear()
 
     answer = answer_continuously if target.fast is not None else answer_in_batches
     for rows in answer(target, encoded, max_new_tokens, batch_size, seed, temperature):
-        write_shard(out_dir, rows)
+        pending += rows
+        if len(pending) >= shard_size:
+            flush()
         tokens += sum(len(r["response_ids"]) for r in rows)
         bar.update(len(rows))
         bar.set_postfix(tok_s=f"{tokens / (time.time() - started):.0f}")
+    if pending:
+        flush()
     bar.close()
     seconds = time.time() - started
     return {"prompts": len(encoded), "skipped_done": len(skip), "skipped_too_long": too_long, "new_tokens": tokens,
@@ -161,31 +158,6 @@ def answer_in_batches(target: Target, encoded: list[tuple[str, list[int]]], max_
             yield [_row(i, ids, a, temperature) for (i, ids), a in zip(batch, answers)]
 
 
-def load_regen(data_dirs: str | Path) -> list[dict]:
-    """All regenerated samples in one folder of shards, or several separated by commas, in a fixed order."""
-    rows = []
-    for data_dir in str(data_dirs).split(","):
-        found = [row for shard in sorted(Path(data_dir).glob("shard-*.jsonl")) for row in read_jsonl(shard)]
-        if not found:
-            raise DatasetError(f"no regenerated data in {data_dir} (run `treeflash data regen` first)")
-        # answers of chat-dev prompts (folders made before the split existed) are left out: it stays held out
-        rows += sorted((r for r in found if not is_chat_dev(r["id"])), key=lambda r: r["id"])
-    return rows
-
-
-RUNS_FILE = "runs.jsonl"  # one line per `data regen` run into a folder: its settings and the commit that ran it
-
-
-def record_run(out_dir: Path, settings: dict, report: dict | None = None) -> None:
-    """Append a regen run to the folder's runs.jsonl, when it starts and when it ends (an interrupted run leaves
-    its start): what made the shards, for the manifest."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    event = {"event": "finished", **report} if report is not None else {"event": "started"}
-    with open(out_dir / RUNS_FILE, "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": source_commit(), **event,
-                            **settings}) + "\n")
-
-
 def source_commit() -> str | None:
     """The git commit of the treeflash source that runs, when it runs from a checkout."""
     import subprocess
@@ -197,36 +169,9 @@ def source_commit() -> str | None:
         return None
 
 
-def manifest(data_dirs: str) -> dict:
-    """What regenerated folders hold, to commit beside the drafters trained on them: answers and answer tokens
-    per source and temperature (chat-dev answers excluded, as training excludes them), and the runs that made
-    them (runs.jsonl: commits and settings)."""
-    folders = {}
-    for data_dir in data_dirs.split(","):
-        counts: dict[str, dict[str, int]] = {}
-        for row in load_regen(data_dir):
-            key = f"{row['id'].split('/')[0]} T={row.get('temperature', 0.0):g}"
-            c = counts.setdefault(key, {"answers": 0, "tokens": 0})
-            c["answers"] += 1
-            c["tokens"] += len(row["response_ids"])
-        runs_file = Path(data_dir) / RUNS_FILE
-        runs: list[dict] = []
-        for run in read_jsonl(runs_file) if runs_file.is_file() else []:
-            if run["event"] == "finished" and run.get("prompts") == 0 and runs and runs[-1]["event"] == "started":
-                runs.pop()  # a resume that found nothing left to answer made no data
-            else:
-                runs.append(run)
-        folders[Path(data_dir).name] = {"answers": sum(c["answers"] for c in counts.values()),
-                                        "by_source": dict(sorted(counts.items())), "runs": runs}
-    return folders
-
-
-def token_ranking(rows: list[dict]) -> tuple[list[int], dict]:
+def token_ranking(responses: list[list[int]]) -> tuple[list[int], dict]:
     """Token ids by how often they occur in the regenerated answers (most frequent first; ties by id), and the
     counts behind it: FR-Spec's draft vocabulary is a prefix of this list."""
-    counts: dict[int, int] = {}
-    for row in rows:
-        for token in row["response_ids"]:
-            counts[token] = counts.get(token, 0) + 1
+    counts = Counter(t for response in responses for t in response)
     ranking = sorted(counts, key=lambda t: (-counts[t], t))
-    return ranking, {"answers": len(rows), "tokens": sum(counts.values()), "distinct": len(ranking)}
+    return ranking, {"answers": len(responses), "tokens": sum(counts.values()), "distinct": len(ranking)}

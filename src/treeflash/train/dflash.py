@@ -108,7 +108,6 @@ def run(args) -> dict:
     drafter as --backbone continues: its AR layer is trained further (the --ar-* options are then its own). With
     --init, a DFlash backbone gets the AR layer of that TreeFlash drafter (its own settings) as a starting point."""
     from ..models.dflash import DFlashConfig
-    from .data import load_regen
 
     rank, world, target = setup(args)
     if args.train_command == "treeflash":
@@ -144,7 +143,7 @@ def run(args) -> dict:
     for param in trainable:
         param.requires_grad_(True)
     config = drafter.config
-    data = sequences(load_regen(args.data), args.max_len, config.block_size)
+    data = sequences(training_rows(args, target), args.max_len, config.block_size)
     taps = config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
@@ -157,6 +156,16 @@ def run(args) -> dict:
     if args.train_command == "treeflash" and args.freeze_backbone and saved_against is not None:
         save = functools.partial(drafter.save_pretrained, backbone=saved_against)  # the AR layer only
     return launch(args, world, rank, drafter, trainable, data, loss_fn, save_model=save)
+
+
+def training_rows(args, target) -> list[dict]:
+    """The rows of --data (answer stores), their prompts read back from --data-dir and encoded by the target."""
+    from pathlib import Path
+
+    from ..eval.datasets import default_data_dir
+    from .store import load_answers
+
+    return load_answers(args.data, target.encode_prompt, Path(args.data_dir) if args.data_dir else default_data_dir())
 
 
 def mask_token(choice: str | None, target) -> int:

@@ -70,8 +70,7 @@ def run(args) -> dict:
     """`treeflash train weaver` (see cli.py for the arguments)."""
     from ..models.checkpoint import weights_digest
     from ..models.weaver import WeaverConfig
-    from .data import load_regen
-    from .dflash import launch, sample_anchors, sequences, setup, target_view
+    from .dflash import launch, sample_anchors, sequences, setup, target_view, training_rows
 
     rank, world, target = setup(args)
     drafter = DFlashDrafter.from_pretrained(args.backbone).attach(target.model).to(target.device).eval()
@@ -82,7 +81,7 @@ def run(args) -> dict:
         config = WeaverConfig.for_drafter(drafter.config, args.width, args.weaver_layers, args.heads, args.top_k)
         weaver = Weaver(config).attach(drafter).to(target.device)
     weaver.config.backbone_sha256 = weights_digest(args.backbone)  # saved with it, checked where it is loaded
-    data = sequences(load_regen(args.data), args.max_len, drafter.config.block_size)
+    data = sequences(training_rows(args, target), args.max_len, drafter.config.block_size)
     taps = drafter.config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
