@@ -11,7 +11,8 @@ import torch
 from treeflash.cli import main
 from treeflash.models.dflash import DFlashDrafter, DrafterError
 from treeflash.train.store import AnswerStore, load_answers
-from treeflash.train.dflash import Sequence, block_mask, dflash_loss, sample_anchors, target_view
+from treeflash.models.blocks import block_mask
+from treeflash.train.dflash import Sequence, dflash_loss, drafted_positions, sample_anchors, target_view
 from treeflash.train.losses import cosine_lr, forward_kl, position_weights
 
 from conftest import tiny_target
@@ -64,8 +65,84 @@ def test_a_few_steps_learn():
         optim.zero_grad()
         loss.backward()
         optim.step()
-        first = first or stats["loss"]
-    assert stats["loss"] < 0.5 * first
+        first = first or float(stats["loss"])
+    assert float(stats["loss"]) < 0.5 * first
+
+
+BLOCK_ATTENTION_TOL = dict(atol=1e-5, rtol=1e-5)  # fp32: the same sums in another order
+
+
+def test_blocks_over_context_equals_the_flat_reference():
+    """Training's attention (each block over the context before its anchor and over itself, the context's K/V
+    shared by all blocks) gives the states of the plain layout: the N blocks flattened after the context, one SDPA
+    under `block_mask`."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4, seed=3)
+    g, S = 4, 23
+    tokens = torch.randint(0, 96, (S,), generator=torch.Generator().manual_seed(1))
+    taps = torch.randn(S, len(drafter.config.target_layer_ids), 64)
+    anchors = torch.tensor([3, 4, 9, 15, 21])
+    with torch.no_grad():
+        fast = drafter(anchors, tokens, taps)
+        ctx_kv = drafter.context_kv(drafter.fuse(taps), torch.arange(S))
+        positions = (anchors[:, None] + torch.arange(g)).flatten()
+        flat = drafter.hidden(drafter.block_inputs(tokens[anchors]), positions, ctx_kv, block_mask(anchors, S, g))
+    torch.testing.assert_close(fast, flat.unflatten(0, (len(anchors), g))[:, 1:], **BLOCK_ATTENTION_TOL)
+
+
+def test_the_draft_vocabulary_loss():
+    """Over a draft vocabulary V' the loss is m * KL(p' || q), p' the target's distribution restricted to V' and
+    renormalised, m its mass there; over the whole vocabulary, the plain forward KL."""
+    from treeflash.train.dflash import TargetView
+    from treeflash.train.losses import forward_kl
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4, seed=2)
+    seq = Sequence(torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(0)), prompt_len=6)
+    anchors = torch.tensor([6, 10, 17])
+    whole = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
+    predicted = drafted_positions(anchors, 4)
+    valid = predicted < 20
+    weights = position_weights(4)[None].expand_as(predicted)[valid]
+    with torch.no_grad():
+        h = drafter(anchors, seq.tokens, whole.taps)[valid]
+        loss, stats = dflash_loss(drafter, seq, whole, anchors)
+        plain = forward_kl(whole.logp[predicted[valid] - 1], drafter.logits(h))
+        torch.testing.assert_close(loss, (weights * plain).sum() / weights.sum())
+        assert float(stats["outside"]) == pytest.approx(0, abs=1e-6)
+
+        vocab = torch.tensor([0, 3, 5, 16, 40, 41, 77])
+        drafter.use_draft_vocab(vocab)
+        view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids, vocab)
+        assert view.logp.shape == (20, 7) and torch.equal(view.argmax, whole.argmax)
+        loss, stats = dflash_loss(drafter, seq, view, anchors)
+        p = whole.logp[predicted[valid] - 1].exp()[:, vocab]
+        m = p.sum(-1)
+        q = torch.softmax(drafter.scores(h).float(), -1)
+        by_hand = m * (p / m[:, None] * ((p / m[:, None]).log() - q.log())).sum(-1)
+        torch.testing.assert_close(loss, (weights * by_hand).sum() / weights.sum())
+        assert float(stats["outside"]) == pytest.approx(float(1 - m.mean()), abs=1e-6)
+
+
+def test_training_saves_the_draft_vocabulary_it_trained_on(tmp_path, tiny_folder):  # noqa: F811
+    from treeflash.models.dflash import RANKING_FILE
+
+    write_store(tmp_path, tiny_folder)
+    out = tmp_path / "run"
+    assert main(train_args(tmp_path, tiny_folder, out, 1) + ["--draft-vocab", "24"]) == 0
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    ranking = json.loads((out / "drafter" / RANKING_FILE).read_text())["ranking"]
+    assert config["draft_vocab_size"] == 24 and len(ranking) > 24
+    drafter = DFlashDrafter.from_pretrained(out / "drafter")
+    from treeflash.models.dflash import draft_vocab
+
+    assert draft_vocab(drafter, out / "drafter").tolist() == ranking[:24]
+    again = tmp_path / "again"  # going on from it keeps its vocabulary
+    assert main(train_args(tmp_path, tiny_folder, again, 1) + ["--init", str(out / "drafter")]) == 0
+    assert json.loads((again / "drafter" / "config.json").read_text())["draft_vocab_size"] == 24
+    assert json.loads((again / "drafter" / RANKING_FILE).read_text())["ranking"] == ranking
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "all", 1) + ["--draft-vocab", "0"]) == 0
+    assert json.loads((tmp_path / "all" / "drafter" / "config.json").read_text())["draft_vocab_size"] is None
 
 
 def write_store(tmp_path, target_folder, n=6, length=40):

@@ -293,6 +293,9 @@ def build_parser() -> Parser:
     tw.add_argument("--init", default=None, help="a trained Weaver folder to go on training (its sizes are kept)")
     for t in (td, tt):
         t.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
+        t.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                       help="train on the N tokens most frequent in the answers, the FR-Spec rows the drafter scores "
+                       "at inference (0: the whole vocabulary; default: a trained drafter's own, else 4096)")
     for t, out in ((td, "runs/dflash"), (tt, "runs/treeflash"), (tw, "runs/weaver")):
         t.add_argument("--data", default=DEFAULT_STORE,
                        help=f"answer store written by `treeflash data regen` ({DEFAULT_STORE}), or several, commas")
@@ -305,7 +308,10 @@ def build_parser() -> Parser:
         t.add_argument("--steps", type=_positive_int, default=1000)
         t.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step, all processes")
         t.add_argument("--lr", type=float, default=6e-4)
-        t.add_argument("--num-anchors", type=_positive_int, default=32, help="blocks per sequence (32)")
+        t.add_argument("--num-anchors", type=_positive_int, default=512,
+                       help="blocks per sequence, at most one per answer position (512: every position, mostly)")
+        t.add_argument("--threads", type=_positive_int, default=None,
+                       help="torch CPU threads (default: torch's; 1 leaves a core to another job)")
         t.add_argument("--max-len", type=_positive_int, default=512, help="tokens per sequence (512)")
         t.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 (default: bf16 autocast)")
         t.add_argument("--save-every", type=_positive_int, default=100)

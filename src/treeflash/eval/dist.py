@@ -24,7 +24,7 @@ from ..models.dflash import DFlashDrafter
 from ..models.weaver import Weaver
 from ..target import Target
 from ..verify import Sampling
-from ..train.dflash import Sequence, blocks, target_view
+from ..train.dflash import Sequence, drafted_positions, target_view
 from ..train.weaver import weaver_logits
 
 COVERAGE_K = (1, 5)
@@ -43,7 +43,7 @@ def depth_stats(drafter: DFlashDrafter, seq: Sequence, target_logp: torch.Tensor
 
 def _anchor_stats(drafter, seq, target_logp, taps, kind, anchors, weaver, temperature) -> dict[str, torch.Tensor]:
     g, S = drafter.config.block_size, len(seq.tokens)
-    positions, mask, predicted = blocks(anchors, S, g)
+    predicted = drafted_positions(anchors, g)
     valid = predicted < S
     if kind == "weaver":  # its distribution on the K candidates, zero elsewhere
         _, cand, logits, _ = weaver_logits(weaver, drafter, seq.tokens, taps, anchors)
@@ -54,7 +54,7 @@ def _anchor_stats(drafter, seq, target_logp, taps, kind, anchors, weaver, temper
         if kind == "treeflash":
             back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1)
             prev = seq.tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
-        h = drafter(seq.tokens[anchors], positions, taps, mask, prev)
+        h = drafter(anchors, seq.tokens, taps, prev)
         q = torch.softmax(drafter.logits(h).float(), dim=-1)  # [N, γ-1, V]
     logp = target_logp[(predicted - 1).clamp(max=S - 1)]
     p = logp.exp()

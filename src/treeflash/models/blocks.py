@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,40 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+@dataclass
+class BlocksOverContext:
+    """Training's attention pattern: N blocks, each over the context before its anchor and over its own γ positions
+    (DFlash: a block sees the committed context and itself, never another block). Passed as a layer's mask."""
+
+    anchors: torch.Tensor  # [N]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
+               ctx_v: torch.Tensor) -> torch.Tensor:
+        """q [N, γ, heads, d], the blocks' own k/v [N, γ, kv_heads, d], the context's ctx_k/v [S, kv_heads, d] ->
+        [N, heads, γ, d]. The context's K/V are multiplied once for all blocks, never copied per block: what SDPA
+        over the flat layout with `block_mask` computes (the reference, tested), with S + γ keys a query instead of
+        S + N γ."""
+        n, g, heads, d = q.shape
+        kv_heads, S = k.shape[-2], ctx_k.shape[0]
+        q = q.unflatten(2, (kv_heads, heads // kv_heads)).permute(2, 0, 3, 1, 4)  # [kv_heads, N, groups, γ, d]
+        k, v, ctx_k, ctx_v = (x.to(q.dtype) for x in (k, v, ctx_k, ctx_v))
+        on_context = torch.einsum("hngtd,shd->hngts", q, ctx_k)
+        on_context = on_context.masked_fill(~(torch.arange(S, device=q.device) < self.anchors[:, None])[
+            None, :, None, None, :], float("-inf"))
+        on_block = torch.einsum("hngtd,nuhd->hngtu", q, k)
+        p = torch.softmax(torch.cat([on_context, on_block], dim=-1).float() * d ** -0.5, dim=-1).to(q.dtype)
+        out = torch.einsum("hngts,shd->hngtd", p[..., :S], ctx_v) + torch.einsum("hngtu,nuhd->hngtd", p[..., S:], v)
+        return out.permute(1, 0, 2, 3, 4).flatten(1, 2)  # query head i reads kv head i // groups, as SDPA's GQA
+
+
+def block_mask(anchors: torch.Tensor, context: int, block_size: int) -> torch.Tensor:
+    """The reference layout of `BlocksOverContext`: the N blocks flattened after the context, [N γ, S + N γ] bool: a
+    block sees context positions before its anchor, and its own block."""
+    block = torch.arange(len(anchors)).repeat_interleave(block_size)
+    sees_context = torch.arange(context)[None, :] < anchors.cpu()[block][:, None]
+    return torch.cat([sees_context, block[:, None] == block[None, :]], dim=1)
+
+
 class Attention(nn.Module):
     def __init__(self, c: "DFlashConfig"):
         super().__init__()
@@ -57,13 +93,16 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                 mask: torch.Tensor | None, ctx_len: int | None = None) -> torch.Tensor:
         """h [..., T, H] block states; ctx_k/v [..., C, kv_heads, head_dim]; mask [T, C + T] bool, or
-        [B, 1, T, C + T] for a batch (None: see all). With `ctx_len` (one sequence), ctx_k/v are static buffers
+        [B, 1, T, C + T] for a batch (None: see all), or BlocksOverContext (training: h [N, γ, H], ctx_k/v
+        [C, kv_heads, head_dim]). With `ctx_len` (one sequence), ctx_k/v are static buffers
         [kv_heads, capacity, head_dim] (ContextCache) holding the context in their first ctx_len rows: the block's
         K/V are written after it, in place, instead of concatenated to a copy of the context."""
         c = self.c
         q = rope(self.q_norm(self.q_proj(h).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
                  c.rope_theta)
         k, v = self.kv(h, positions)
+        if isinstance(mask, BlocksOverContext):
+            return self.o_proj(mask.attend(q, k, v, ctx_k, ctx_v).transpose(-3, -2).flatten(-2))
         q = q.transpose(-3, -2)  # [..., heads, T, head_dim]
         if ctx_len is None:
             k, v = (torch.cat([ctx, new], dim=-3).transpose(-3, -2) for ctx, new in ((ctx_k, k), (ctx_v, v)))

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import packed
-from .blocks import Layer, RMSNorm
+from .blocks import BlocksOverContext, Layer, RMSNorm
 from .checkpoint import DrafterError, load_strict, read_weights, save_checkpoint, weights_digest
 
 
@@ -278,14 +278,17 @@ class DFlashDrafter(nn.Module):
             h = layer(h, positions, k, v, mask)
         return h
 
-    def forward(self, first_tokens: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor,
-                mask: torch.Tensor | None, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Training: pre-norm states [N, γ-1, H] of the drafted positions of N blocks over a context of taps
-        [S, n_taps, H] at positions 0..S-1. With an AR layer, `prev_tokens` [N, γ-1, p] are the (teacher-forced)
-        previous tokens of each drafted position, oldest first."""
+    def forward(self, anchors: torch.Tensor, tokens: torch.Tensor, taps: torch.Tensor,
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: pre-norm states [N, γ-1, H] of the drafted positions of the N blocks anchored at `anchors` [N]
+        of a sequence `tokens` [S] whose context is the target's taps [S, n_taps, H]. Each block starts with its
+        anchor's token and sees the context before it (`BlocksOverContext`). With an AR layer, `prev_tokens`
+        [N, γ-1, p] are the (teacher-forced) previous tokens of each drafted position, oldest first."""
+        g = self.config.block_size
         ctx_kv = self.context_kv(self.fuse(taps), torch.arange(len(taps), device=taps.device))
-        h = self.hidden(self.block_inputs(first_tokens), positions, ctx_kv, mask)
-        h = h.unflatten(0, (len(first_tokens), self.config.block_size))[:, 1:]
+        x = self.block_inputs(tokens[anchors]).unflatten(0, (len(anchors), g))
+        positions = anchors[:, None] + torch.arange(g, device=anchors.device)
+        h = self.hidden(x, positions, ctx_kv, BlocksOverContext(anchors))[:, 1:]
         if self.ar_layer is not None and prev_tokens is not None:
             h = self.ar_layer(h, self.norm(h), self.embed(prev_tokens).to(h.dtype))
         return h
@@ -324,7 +327,7 @@ class DFlashDrafter(nn.Module):
         return logits, probs, index if self.draft_vocab is None else self.draft_vocab[index]
 
     def use_draft_vocab(self, token_ids: torch.Tensor | None) -> "DFlashDrafter":
-        """Score only these tokens at inference (None: all). Never for training: the losses need every token."""
+        """Score only these tokens (None: all): at inference, and in training, whose loss is then taken over them."""
         self.draft_vocab = None if token_ids is None else token_ids.sort().values.to(self.fc.weight.device)
         self._head_cast = None
         return self

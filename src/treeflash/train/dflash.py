@@ -8,13 +8,17 @@ learns the target's distribution of x_{a+k} by forward KL, weighted by exp(-(k-1
 
 from __future__ import annotations
 
-import functools
+import json
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ..models.dflash import DFlashDrafter, DrafterError
+from ..models.dflash import RANKING_FILE, DFlashDrafter, DrafterError
 from .losses import forward_kl, position_weights
+
+DEFAULT_DRAFT_VOCAB = 4096  # FR-Spec rows a fresh drafter is trained on and scores at inference
 
 
 @dataclass
@@ -26,7 +30,9 @@ class Sequence:
 @dataclass
 class TargetView:
     taps: torch.Tensor  # [S, n_taps, H]
-    logp: torch.Tensor  # [S, V] fp32: the target's log-distribution of the token after each position
+    logp: torch.Tensor  # [S, V'] fp32: the target's log-probabilities of the next token, on the `vocab` columns
+    vocab: torch.Tensor | None  # [V'] the token ids of those columns (the drafter's draft vocabulary); None: all
+    argmax: torch.Tensor  # [S] the target's most likely next token over the whole vocabulary
 
 
 def sequences(rows: list[dict], max_len: int, block_size: int) -> list[Sequence]:
@@ -40,10 +46,13 @@ def sequences(rows: list[dict], max_len: int, block_size: int) -> list[Sequence]
 
 
 @torch.no_grad()
-def target_view(target_model, tokens: torch.Tensor, taps: list[int]) -> TargetView:
+def target_view(target_model, tokens: torch.Tensor, taps: list[int], vocab: torch.Tensor | None = None) -> TargetView:
     out = target_model(tokens[None].to(target_model.device), output_hidden_states=True)
     feats = torch.stack([out.hidden_states[i + 1][0] for i in taps], dim=1)
-    return TargetView(feats, torch.log_softmax(out.logits[0].float(), dim=-1))
+    logits = out.logits[0].float()
+    # normalised over the whole vocabulary, then only the drafter's columns kept: the rows the loss gathers stay small
+    logp = (logits if vocab is None else logits[:, vocab.to(logits.device)]) - logits.logsumexp(-1, keepdim=True)
+    return TargetView(feats, logp, vocab, logits.argmax(-1))
 
 
 def sample_anchors(seq: Sequence, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -54,47 +63,46 @@ def sample_anchors(seq: Sequence, n: int, gen: torch.Generator) -> torch.Tensor:
     return (first + pick).sort().values
 
 
-def block_mask(anchors: torch.Tensor, context: int, block_size: int) -> torch.Tensor:
-    """[N γ, S + N γ] bool: a block sees context positions before its anchor, and its own block."""
-    block = torch.arange(len(anchors)).repeat_interleave(block_size)
-    sees_context = torch.arange(context)[None, :] < anchors[block][:, None]
-    return torch.cat([sees_context, block[:, None] == block[None, :]], dim=1)
-
-
-def blocks(anchors: torch.Tensor, context: int, block_size: int):
-    """The layout of one block per anchor [N]: positions [N γ], the mask [N γ, S + N γ] (`block_mask`), and the
-    positions [N, γ-1] of the drafted tokens (some may lie past the sequence: check `< S`)."""
-    g, device = block_size, anchors.device
-    positions = (anchors[:, None] + torch.arange(g, device=device)).flatten()
-    mask = block_mask(anchors.cpu(), context, g).to(device)
-    return positions, mask, anchors[:, None] + torch.arange(1, g, device=device)
+def drafted_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N, γ-1]: the positions whose tokens the blocks anchored at `anchors` draft (some may lie past the end)."""
+    return anchors[:, None] + torch.arange(1, block_size, device=anchors.device)
 
 
 def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors: torch.Tensor,
                 kl_topk: int = 0, decay: float = 7.0) -> tuple[torch.Tensor, dict]:
-    """Weighted forward KL over all anchors' blocks of one sequence, and accuracy stats.
+    """Weighted forward KL over all anchors' blocks of one sequence, and stats (tensors: no host sync).
+
+    Over the draft vocabulary V' (`view.vocab`, the FR-Spec rows the drafter scores at inference): the drafter can
+    only ever propose those tokens, so its target there is the target's distribution restricted to V' and
+    renormalised, p' = p / m with m = p(V'). Each row's KL(p' || q) is weighted by m: a row whose next token is
+    mostly outside V' teaches little. That is the cross-entropy -sum_{V'} p log q up to a constant; the mass
+    outside, 1 - m, is no loss term (nothing the drafter does changes it) and is reported as `outside`. With the
+    whole vocabulary (view.vocab None) m = 1: the plain forward KL.
 
     `model` is the DFlashDrafter, or DistributedDataParallel around it (its forward must be the call)."""
     drafter: DFlashDrafter = getattr(model, "module", model)
     g, S, device = drafter.config.block_size, len(seq.tokens), view.taps.device
-    anchors = anchors.to(device)
-    positions, mask, predicted = blocks(anchors, S, g)
-    tokens = seq.tokens.to(device)
+    anchors, tokens = anchors.to(device), seq.tokens.to(device)
+    predicted = drafted_positions(anchors, g)
     prev = None
     if drafter.ar_layer is not None:  # TreeFlash: teacher forcing, the true previous token(s)
         back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1, device=device)
         prev = tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
-    h = model(tokens[anchors], positions, view.taps, mask, prev)  # [N, γ-1, H]
+    h = model(anchors, tokens, view.taps, prev)  # [N, γ-1, H]
     valid = predicted < S
-    logits = drafter.logits(h[valid])
-    target_logp = view.logp[predicted[valid] - 1]  # the target's distribution of x_t sits at position t - 1
+    scores = drafter.scores(h[valid]).float()  # over the draft vocabulary, when the drafter has one
+    rows = predicted[valid] - 1  # the target's distribution of x_t sits at position t - 1
+    target_logp = view.logp[rows]
+    inside = target_logp.logsumexp(-1)  # log m
     weights = position_weights(g, decay).to(device)[None].expand_as(predicted)[valid]
-    kl = forward_kl(target_logp, logits, kl_topk)
-    loss = (weights * kl).sum() / weights.sum()
-    hit = (logits.argmax(-1) == target_logp.argmax(-1)).float()
-    depth = torch.arange(1, g, device=device)[None].expand_as(predicted)[valid]
-    return loss, {"loss": loss.item(), "kl": kl.mean().item(), "acc": hit.mean().item(),
-                  "acc_k1": hit[depth == 1].mean().item(), "tokens": int(valid.sum())}
+    kl = forward_kl(target_logp - inside[:, None], scores, kl_topk)
+    mass = inside.exp()
+    loss = (weights * mass * kl).sum() / weights.sum()
+    best = scores.argmax(-1)
+    hit = ((best if view.vocab is None else view.vocab.to(device)[best]) == view.argmax[rows]).float()
+    depth1 = torch.arange(1, g, device=device)[None].expand_as(predicted)[valid] == 1
+    return loss, {"loss": loss.detach(), "kl": kl.detach().mean(), "outside": 1 - mass.mean(),
+                  "acc": hit.mean(), "acc_k1": hit[depth1].mean(), "tokens": valid.sum()}
 
 
 def run(args) -> dict:
@@ -143,25 +151,59 @@ def run(args) -> dict:
     for param in trainable:
         param.requires_grad_(True)
     config = drafter.config
-    data = sequences(training_rows(args, target), args.max_len, config.block_size)
+    rows = training_rows(args, target)
+    ranking = training_vocab(args, drafter, rows)
+    vocab = drafter.draft_vocab
+    data = sequences(rows, args.max_len, config.block_size)
     taps = config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     def loss_fn(model, seq, gen):
-        view = target_view(target.model, seq.tokens, taps)
+        started = time.perf_counter()
+        view = target_view(target.model, seq.tokens, taps, vocab)
+        drafting = time.perf_counter()
         with autocast:
-            return dflash_loss(model, seq, view, sample_anchors(seq, args.num_anchors, gen), args.kl_topk)
+            loss, stats = dflash_loss(model, seq, view, sample_anchors(seq, args.num_anchors, gen), args.kl_topk)
+        return loss, {**stats, "s_target": drafting - started, "s_drafter_forward": time.perf_counter() - drafting}
 
-    save = drafter.save_pretrained
-    if args.train_command == "treeflash" and args.freeze_backbone and saved_against is not None:
-        save = functools.partial(drafter.save_pretrained, backbone=saved_against)  # the AR layer only
+    adapter = args.train_command == "treeflash" and args.freeze_backbone and saved_against is not None
+
+    def save(folder: Path) -> None:
+        if adapter:  # the AR layer only: its draft vocabulary is its backbone's
+            return drafter.save_pretrained(folder, backbone=saved_against)
+        drafter.save_pretrained(folder)
+        if ranking is not None:
+            (Path(folder) / RANKING_FILE).write_text(json.dumps(ranking) + "\n")
+
     return launch(args, world, rank, drafter, trainable, data, loss_fn, save_model=save)
+
+
+def training_vocab(args, drafter: DFlashDrafter, rows: list[dict]) -> dict | None:
+    """Set the draft vocabulary the loss is taken over on the drafter, and return the token ranking to save with it
+    (token_ranking.json; None: nothing to write). --draft-vocab N: the N tokens most frequent in the training
+    answers (0: the whole vocabulary); unset, a trained drafter (--init, --backbone) keeps the vocabulary it has
+    (its ranking and draft_vocab_size), a fresh one takes 4,096 (the size the shipped drafters score), or every
+    token the answers hold where they hold fewer."""
+    from ..models.dflash import RANKING_FILE, draft_vocab
+    from .data import token_ranking
+
+    trained = args.backbone if args.train_command == "treeflash" else args.init
+    if trained is not None and args.draft_vocab is None:
+        drafter.use_draft_vocab(draft_vocab(drafter, trained))
+        source = Path(trained) / RANKING_FILE
+        return json.loads(source.read_text()) if source.is_file() else None
+    ranking, stats = token_ranking([r["response_ids"] for r in rows])
+    size = min(DEFAULT_DRAFT_VOCAB, len(ranking)) if args.draft_vocab is None else args.draft_vocab
+    if len(ranking) < size < drafter.config.vocab_size:
+        raise DrafterError(f"--draft-vocab {size}: the training answers hold only {len(ranking)} distinct tokens")
+    whole = not 0 < size < drafter.config.vocab_size
+    drafter.config.draft_vocab_size = None if whole else size
+    drafter.use_draft_vocab(None if whole else torch.tensor(ranking[:size]))
+    return {"data": args.data, **stats, "ranking": ranking}
 
 
 def training_rows(args, target) -> list[dict]:
     """The rows of --data (answer stores), their prompts read back from --data-dir and encoded by the target."""
-    from pathlib import Path
-
     from ..eval.datasets import default_data_dir
     from .store import load_answers
 
@@ -194,9 +236,11 @@ def setup(args):
     from .trainer import init_distributed
 
     rank, world = init_distributed()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    elif world > 1:
+    elif world > 1 and not args.threads:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     # the dense weights: training was measured on them (a GGUF target's int4 kernels have no gradients either)
     target = Target.load(args.target, dtype=args.target_dtype, device=args.device, quantize="none")
@@ -209,9 +253,6 @@ def launch(args, world: int, rank: int, model: torch.nn.Module, trainable: list,
            model_dir: str = "drafter", save_model=None) -> dict:
     """Write train_args.json and run the shared training loop; the model is saved to `out/model_dir` by
     `save_model(folder)` (default: its save_pretrained)."""
-    import json
-    from pathlib import Path
-
     from .trainer import TrainConfig, train
 
     cfg = TrainConfig(out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,

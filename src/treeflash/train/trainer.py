@@ -87,12 +87,15 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
     log = open(out / "log.jsonl", "a") if rank == 0 else None
     started, tokens, window = time.time(), 0, []
+    # where a step's time goes, in seconds per sequence (s_*: the loss_fn adds its own phases); wall time is the
+    # truth on a CPU only, where nothing runs asynchronously
+    timed = next(model.parameters()).device.type == "cpu"
     while step < cfg.steps:
         lr = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup)
         for group in optim.param_groups:
             group["lr"] = lr
         optim.zero_grad(set_to_none=True)
-        stats_sum: dict[str, float] = {}
+        stats_sum: dict[str, torch.Tensor] = {}
         for micro in range(per_rank):
             slot = step * cfg.batch_size + micro * world + rank
             epoch, i = divmod(slot, len(samples))
@@ -102,30 +105,39 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
             ctx = wrapped.no_sync() if not sync else nullcontext()  # DDP: reduce once per step
             with ctx:
                 loss, stats = loss_fn(wrapped, sample, gen)
+                t_forward = time.perf_counter()
                 (loss / per_rank).backward()
-            for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v) / per_rank
+            if timed:
+                stats["s_backward"] = time.perf_counter() - t_forward
+            for k, v in stats.items():  # tensors, summed where they are: read only when logged
+                stats_sum[k] = stats_sum.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach() / per_rank
+        t_optim = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
         optim.step()
         step += 1
-        tokens += int(stats_sum.get("tokens", 0) * per_rank * world)
+        if timed:
+            stats_sum["s_optimizer"] = torch.tensor((time.perf_counter() - t_optim) / per_rank)  # a sequence's share
         window.append(stats_sum)
+        logged = step % cfg.log_every == 0 or step == cfg.steps
+        if logged:
+            mean = {k: float(sum(w[k] for w in window)) / len(window) for k in window[0]}
+            tokens += round(mean.get("tokens", 0) * len(window) * per_rank * world)
         if rank == 0:
             bar.update()
-            bar.set_postfix(loss=f"{stats_sum.get('loss', 0):.3f}", acc=f"{stats_sum.get('acc', 0):.3f}")
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                mean = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
+            if logged:
+                bar.set_postfix(loss=f"{mean.get('loss', 0):.3f}", acc=f"{mean.get('acc', 0):.3f}")
                 log.write(json.dumps({"step": step, "lr": lr, "grad_norm": float(grad_norm), **mean,
                                       "elapsed_s": time.time() - started,
                                       "tokens_per_second": tokens / (time.time() - started)}) + "\n")
                 log.flush()
-                window = []
             if step % cfg.save_every == 0 or step == cfg.steps:
                 atomic_save({"model": {k: v for k, v in model.state_dict().items()},
                              "optim": optim.state_dict(), "step": step, "config": asdict(cfg)}, ckpt)
                 save_model(out / cfg.model_dir)
             if cfg.keep_every and step % cfg.keep_every == 0:
                 save_model(out / f"{cfg.model_dir}-step{step:06d}")
+        if logged:
+            window = []
     bar.close()
     if log:
         log.close()

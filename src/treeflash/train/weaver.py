@@ -20,7 +20,7 @@ import torch
 
 from ..models.dflash import DFlashDrafter
 from ..models.weaver import Weaver
-from .dflash import Sequence, TargetView, blocks
+from .dflash import Sequence, TargetView, drafted_positions
 from .losses import candidate_kl, position_weights
 
 
@@ -34,9 +34,9 @@ def weaver_logits(model: torch.nn.Module, drafter: DFlashDrafter, tokens: torch.
     `model` is the Weaver, or DistributedDataParallel around it."""
     weaver: Weaver = getattr(model, "module", model)
     S = len(tokens)
-    positions, mask, predicted = blocks(anchors, S, drafter.config.block_size)
+    predicted = drafted_positions(anchors, drafter.config.block_size)
     with torch.no_grad():  # the backbone is frozen
-        h = drafter(tokens[anchors], positions, taps, mask)  # [N, γ-1, H]
+        h = drafter(anchors, tokens, taps)  # [N, γ-1, H]
         marginal = torch.log_softmax(drafter.logits(h).float(), dim=-1)
         cand_logp, cand = marginal.topk(weaver.config.top_k, dim=-1)
         ctx = drafter.fuse(taps[(anchors - 1).clamp(min=0)])  # the last committed position before each root
