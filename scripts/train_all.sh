@@ -1,82 +1,82 @@
 #!/usr/bin/env bash
-# The shipped drafters' pipeline, from data to checkpoints, resumable: run it again after an interruption and each
-# step picks up where it stopped (`data regen` skips the answers already written, `train` resumes from its
-# checkpoint.pt, a finished step returns at once). Every number that shapes the result is set here.
+# The shipped drafters' pipeline, from answers to checkpoints, in resumable stages that survive a change of machine.
+# Run it again after an interruption and each step picks up where it stopped: `data regen` resumes from the answer
+# store in data/answers (committed), `train` from its run folder's checkpoint.pt, a finished step returns at once,
+# an evaluation that exists is not run again. Every number that shapes the result is set here.
 #
-#   bash scripts/train_all.sh            # DATA_DIR, RUNS and the *_STEPS below can be overridden from the environment
+#   bash scripts/train_all.sh            # RUNS, STAGE_STEPS, ... below can be overridden from the environment
 #
-# 1. the target's answers: greedy for every training prompt, T = 1 samples for a third of each source (the chat
-#    dev set is never regenerated nor trained on); docs/data/regen-manifest.json records what the folders hold;
-# 2. the DFlash drafter, in the published format (a real mask token), and its FR-Spec token ranking;
-# 3. the TreeFlash AR layer and the Weaver on the frozen DFlash drafter, side by side, one thread each, twice (the
-#    second run goes on from the first's end);
-# 4. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the new drafters and of the shipped ones, with `paired`,
-#    into $RUNS/eval, and the learning curve: tau on chat-dev and GSM8K of the DFlash snapshots.
-# Shipping is a decision, not a step: copy the new folders into src/treeflash/checkpoints only if they beat the
-# shipped ones on every domain, and write the model cards from $RUNS/eval.
+# 1. answers (data/answers): greedy for every training prompt, T = 1 samples for a third of each source; the chat
+#    dev set is never answered nor trained on. Commit data/answers as it grows: it is what costs the CPU hours.
+# 2. DFlash, stage by stage: stage 1 goes on from the shipped drafter (bf16 weights, a fresh AdamW, 4 % warm-up
+#    then cosine to 0 over the stage, peak --lr $LR) when $RUNS has no stage yet; stage k from stage k-1's end.
+#    A stage is $STAGE_STEPS steps of 4 sequences, 512 anchors each (about 2 CPU hours on 2 cores).
+# 3. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the stage's drafter and of the shipped one, with `paired`
+#    (scripts/ship_if_better.py prints the table for the model card);
+# 4. where the stage's drafter beats the shipped one on every domain: the TreeFlash AR layer and the Weaver on it
+#    (frozen backbone, from the shipped ones, one thread each, side by side); if they beat the shipped ones on every
+#    domain too, the three replace the shipped drafters (SHIP=1), together: the adapters are tied to their backbone.
+# Commit after each stage: the store, the shipped folders and $RUNS/*/eval/*.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TF=.venv/bin/treeflash
-DATA_DIR=${DATA_DIR:-../treeflash-data}  # outside the repository: docs/data/README.md
+PY=.venv/bin/python
 RUNS=${RUNS:-runs/all}
-DFLASH_STEPS=${DFLASH_STEPS:-2000}       # 4 sequences a step: about half a pass over greedy + sampled answers
-TREEFLASH_STEPS=${TREEFLASH_STEPS:-400}
-WEAVER_STEPS=${WEAVER_STEPS:-600}
-TREEFLASH_MORE_STEPS=${TREEFLASH_MORE_STEPS:-700}  # the adapters again, from their ends (they were still learning)
-WEAVER_MORE_STEPS=${WEAVER_MORE_STEPS:-600}
+STAGES=${STAGES:-1}               # stages to reach in this call (a rerun goes on where the last one stopped)
+STAGE_STEPS=${STAGE_STEPS:-1500}  # 4 sequences a step, about 2,500 drafted positions a sequence: 15 M a stage
+LR=${LR:-3e-4}                    # the shipped drafter is trained already: half the fresh peak
+ADAPTER_STEPS=${ADAPTER_STEPS:-600}
+SHIP=${SHIP:-0}
+SHIPPED=src/treeflash/checkpoints
 REGEN=(--batch-size 48 --max-new-tokens 256 --dtype bfloat16)
-TRAIN=(--batch-size 4 --num-anchors 32 --max-len 512 --save-every 50 --keep-every 500 --log-every 10)
+TRAIN=(--batch-size 4 --max-len 512 --save-every 50 --keep-every 500 --log-every 10)
 
-echo "== 1. data into $DATA_DIR"
-$TF data regen --out "$DATA_DIR/regen" "${REGEN[@]}"
-third=$(.venv/bin/python -c "from treeflash.eval.datasets import default_data_dir as d
+echo "== 1. answers into data/answers"
+$TF data regen "${REGEN[@]}"
+third=$($PY -c "from treeflash.eval.datasets import default_data_dir as d
 from treeflash.train.data import SOURCES, training_prompts as t; print(len(t(d(), list(SOURCES))) // 3)")
 # --limit over several sources takes prompts evenly across them: a third of each
-$TF data regen --out "$DATA_DIR/regen-t1" --temperature 1 --limit "$third" --seed 1 "${REGEN[@]}"
-DATA="$DATA_DIR/regen,$DATA_DIR/regen-t1"
-mkdir -p docs/data
-$TF data manifest "$DATA" --out docs/data/regen-manifest.json > /dev/null
+$TF data regen --temperature 1 --limit "$third" --seed 1 "${REGEN[@]}"
+$TF data check
 
-echo "== 2. DFlash"
-$TF train dflash --data "$DATA" --out "$RUNS/dflash" --steps "$DFLASH_STEPS" "${TRAIN[@]}"
-$TF data rank --data "$DATA" --drafter "$RUNS/dflash/drafter" --size 4096
-
-echo "== 3. TreeFlash AR layer and Weaver on the frozen DFlash drafter"
-# the AR layer at half the MLP's width: the published TreeFlash layout (the full width) would take the three shipped
-# drafters past their 40 MB budget (8.9 MB instead of 4.4); it saves in treeflash's own layout
-OMP_NUM_THREADS=1 $TF train treeflash --backbone "$RUNS/dflash/drafter" --freeze-backbone --ar-intermediate-size 768 \
-    --data "$DATA" --out "$RUNS/treeflash" --steps "$TREEFLASH_STEPS" --lr 1e-3 "${TRAIN[@]}" &
-OMP_NUM_THREADS=1 $TF train weaver --backbone "$RUNS/dflash/drafter" --data "$DATA" \
-    --out "$RUNS/weaver" --steps "$WEAVER_STEPS" --lr 1e-3 "${TRAIN[@]}" &
-wait -n && wait -n  # both must succeed
-# then both again from where they ended, on another data order (--seed 1), with a second cosine from half the
-# learning rate: their losses were still falling. These are what ship
-OMP_NUM_THREADS=1 $TF train treeflash --backbone "$RUNS/dflash/drafter" --freeze-backbone --init "$RUNS/treeflash/drafter" \
-    --data "$DATA" --out "$RUNS/treeflash-more" --steps "$TREEFLASH_MORE_STEPS" --lr 5e-4 --seed 1 "${TRAIN[@]}" &
-OMP_NUM_THREADS=1 $TF train weaver --backbone "$RUNS/dflash/drafter" --init "$RUNS/weaver/weaver" \
-    --data "$DATA" --out "$RUNS/weaver-more" --steps "$WEAVER_MORE_STEPS" --lr 5e-4 --seed 1 "${TRAIN[@]}" &
-wait -n && wait -n
-
-echo "== 4. tau per domain, new and shipped drafters, and the DFlash learning curve"
-mkdir -p "$RUNS/eval"
 paired() {  # paired OUT ARGS...: skipped when OUT exists, so that a rerun picks up where it stopped
     local out=$1; shift
     [ -f "$out" ] || $TF paired --limit 10 --max-new-tokens 128 --budget 16 --no-progress "$@" --out "$out.tmp"
     [ -f "$out" ] || mv "$out.tmp" "$out"
 }
-for dataset in chat-dev gsm8k humaneval mbpp; do
-    paired "$RUNS/eval/paired-$dataset.json" --dataset "$dataset" --methods dflash,ddtree,treeflash,tfm \
-        --drafter "$RUNS/treeflash-more/drafter" --weaver "$RUNS/weaver-more/weaver"
-    # the same for the drafters shipped now (the defaults): at T = 0 both follow the target's greedy continuation
-    paired "$RUNS/eval/shipped-$dataset.json" --dataset "$dataset" --methods dflash,ddtree,treeflash,tfm
-done
-# learning curves: ddtree on the DFlash snapshots (the last one is the drafter above); the adapters, trained for
-# 600 steps, are measured at their end only (their loss curves are in their log.jsonl)
-for dataset in chat-dev gsm8k; do
-    for snap in "$RUNS"/dflash/drafter-step*; do
-        [ "${snap##*-}" = "$(printf step%06d "$DFLASH_STEPS")" ] && continue
-        paired "$RUNS/eval/curve-dflash-${snap##*-}-$dataset.json" --dataset "$dataset" --methods ddtree --drafter "$snap"
+evaluate() {  # evaluate RUN METHODS ARGS...: tau per domain of RUN's drafters and of the shipped ones
+    local run=$1 methods=$2; shift 2
+    mkdir -p "$run/eval"
+    for dataset in chat-dev gsm8k humaneval mbpp; do
+        paired "$run/eval/new-$dataset.json" --dataset "$dataset" --methods "$methods" "$@"
+        paired "$run/eval/shipped-$dataset.json" --dataset "$dataset" --methods "$methods"
     done
+}
+
+previous="$SHIPPED/smollm2-135m-instruct-dflash"
+for stage in $(seq 1 "$STAGES"); do
+    run="$RUNS/dflash-stage$stage"
+    echo "== 2. DFlash stage $stage from $previous"
+    $TF train dflash --init "$previous" --out "$run" --steps "$STAGE_STEPS" --lr "$LR" --seed "$stage" "${TRAIN[@]}"
+    echo "== 3. tau of stage $stage"
+    evaluate "$run" dflash,ddtree --drafter "$run/drafter"
+    # the adapters are tied to their backbone (its sha256): a backbone ships with adapters trained on it, or not at all
+    if $PY scripts/ship_if_better.py "$run" dflash,ddtree; then
+        echo "== 4. adapters on the stage-$stage backbone"
+        OMP_NUM_THREADS=1 $TF train treeflash --backbone "$run/drafter" --freeze-backbone \
+            --init "$SHIPPED/smollm2-135m-instruct-treeflash" --out "$run/treeflash" \
+            --steps "$ADAPTER_STEPS" --lr 5e-4 "${TRAIN[@]}" &
+        OMP_NUM_THREADS=1 $TF train weaver --backbone "$run/drafter" --init "$SHIPPED/smollm2-135m-instruct-weaver" \
+            --out "$run/weaver" --steps "$ADAPTER_STEPS" --lr 5e-4 "${TRAIN[@]}" &
+        wait -n && wait -n  # both must succeed
+        mkdir -p "$run/adapters"
+        evaluate "$run/adapters" treeflash,tfm --drafter "$run/treeflash/drafter" --weaver "$run/weaver/weaver"
+        $PY scripts/ship_if_better.py "$run/adapters" treeflash,tfm "$SHIP" \
+            "$run/drafter" "$SHIPPED/smollm2-135m-instruct-dflash" \
+            "$run/treeflash/drafter" "$SHIPPED/smollm2-135m-instruct-treeflash" \
+            "$run/weaver/weaver" "$SHIPPED/smollm2-135m-instruct-weaver" || true
+    fi
+    previous="$run/drafter"
 done
-echo "done: compare $RUNS/eval with the shipped drafters' figures before shipping"
+echo "done: commit data/answers, $RUNS/*/eval and whatever shipped, with the model cards' tables"

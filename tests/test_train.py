@@ -446,3 +446,18 @@ def test_init_goes_on_training_a_dflash_drafter(tmp_path, tiny_folder):  # noqa:
     first.add_ar_layer("swiglu", 1)
     first.save_pretrained(tmp_path / "tf", dtype=torch.float32)
     assert main([*more, "--init", str(tmp_path / "tf"), "--out", str(tmp_path / "x")]) == 2  # not a DFlash drafter
+
+
+def test_draft_layers_can_start_as_the_targets_last_layers():
+    from treeflash.train.dflash import init_from_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    assert init_from_target(drafter, target.model) == [len(target.model.model.layers) - 2,
+                                                        len(target.model.model.layers) - 1]
+    for mine, theirs in zip(drafter.layers, target.model.model.layers[-2:]):
+        for k, v in theirs.state_dict().items():
+            assert torch.equal(mine.state_dict()[k], v), k
+        assert torch.equal(mine.self_attn.q_norm.weight, torch.ones(drafter.config.head_dim))
+    taps = torch.randn(5, 2, 64)
+    torch.testing.assert_close(drafter.fc(taps.flatten(-2)), taps[:, -1])  # the deepest tap, as it is

@@ -273,6 +273,9 @@ def build_parser() -> Parser:
     td.add_argument("--mask-token", default=None, metavar="ID|TOKEN",
                     help="the token that fills the drafted positions of a block: an id or the token's text (default: "
                     "the tokenizer's mask token, else a spare special token; SmolLM2: <empty_output>, 16)")
+    td.add_argument("--init-layers", default="random", choices=["random", "target"],
+                    help="a fresh drafter's layers: random (default), or copies of the target's last layers with the "
+                    "deepest tap as context")
     td.add_argument("--init", default=None, help="a trained DFlash drafter folder to go on training, e.g. on new "
                     "data (its sizes are kept: --layers, --taps, --intermediate-size, --block-size do not apply)")
     tt = tr.add_parser("treeflash", help="train TreeFlash's AR layer on a DFlash backbone (torchrun for DDP)")

@@ -146,6 +146,8 @@ def run(args) -> dict:
                                          block_size=args.block_size, intermediate_size=args.intermediate_size,
                                          mask_token_id=mask_token(args.mask_token, target))
         drafter = DFlashDrafter(config).attach(target.model).to(target.device)
+        if args.init_layers == "target":
+            init_from_target(drafter, target.model)
         trainable = list(drafter.parameters())
     drafter.requires_grad_(False)
     for param in trainable:
@@ -176,6 +178,30 @@ def run(args) -> dict:
             (Path(folder) / RANKING_FILE).write_text(json.dumps(ranking) + "\n")
 
     return launch(args, world, rank, drafter, trainable, data, loss_fn, save_model=save)
+
+
+def init_from_target(drafter: DFlashDrafter, target_model) -> list[int]:
+    """Start the draft layers as copies of the target's last ones, and the context projection as the choice of the
+    deepest tap: a drafter's states end in the target's final norm and LM head, which the target's top layers write
+    for, and the deepest tap is the state those layers read in the target. Returns the target layers copied.
+    (Qwen3-style q_norm / k_norm, which Llama layers lack, start as ones.)"""
+    c = drafter.config
+    layers = target_model.model.layers
+    chosen = list(range(len(layers) - c.num_hidden_layers, len(layers)))
+    with torch.no_grad():
+        for mine, theirs in zip(drafter.layers, (layers[i] for i in chosen)):
+            state = {k: v for k, v in theirs.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+            wrong = [k for k, v in state.items() if k not in mine.state_dict() or mine.state_dict()[k].shape != v.shape]
+            if wrong:
+                raise DrafterError(f"--init-layers target: the target's layers do not fit the draft layers ({wrong[:3]})")
+            missing = set(mine.state_dict()) - set(state)
+            if not all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing):
+                raise DrafterError(f"--init-layers target: the target's layers lack {sorted(missing)[:3]}")
+            mine.load_state_dict(state, strict=False)
+        h = c.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -h:] = torch.eye(h)  # taps are flattened in target_layer_ids order: the deepest last
+    return chosen
 
 
 def training_vocab(args, drafter: DFlashDrafter, rows: list[dict]) -> dict | None:

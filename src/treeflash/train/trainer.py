@@ -1,5 +1,8 @@
 """A small training loop shared by the drafter trainers: AdamW, warm-up + cosine, clipping, DDP, exact resume.
 
+Each run folder holds log.jsonl (a line per --log-every steps: losses, accuracy, the drafted positions trained so
+far, where a step's time goes) and the same scalars as TensorBoard event files in tensorboard/.
+
 Run it directly or under `torchrun --nproc_per_node N` (gloo on CPU, nccl on GPU): every process reads its own
 share of the samples, and gradients are averaged by DistributedDataParallel. The sample order is a pure function
 of (seed, step), so a resumed run sees exactly the samples, anchors and learning rates it would have seen.
@@ -20,6 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from ..models.checkpoint import load_strict
@@ -78,14 +82,16 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
     wrapped = DistributedDataParallel(model) if world > 1 else model
     optim = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    step, ckpt = 0, out / "checkpoint.pt"
+    step, positions, ckpt = 0, 0, out / "checkpoint.pt"
     if resume and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         load_strict(model, state["model"], f"{ckpt} (a run of another model? use a new --out)")
         optim.load_state_dict(state["optim"])
         step = state["step"]
+        positions = state.get("positions", 0)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
     log = open(out / "log.jsonl", "a") if rank == 0 else None
+    board = SummaryWriter(str(out / "tensorboard")) if rank == 0 else None  # the same figures as log.jsonl
     started, tokens, window = time.time(), 0, []
     # where a step's time goes, in seconds per sequence (s_*: the loss_fn adds its own phases); wall time is the
     # truth on a CPU only, where nothing runs asynchronously
@@ -121,18 +127,23 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
         logged = step % cfg.log_every == 0 or step == cfg.steps
         if logged:
             mean = {k: float(sum(w[k] for w in window)) / len(window) for k in window[0]}
-            tokens += round(mean.get("tokens", 0) * len(window) * per_rank * world)
+            new = round(mean.get("tokens", 0) * len(window) * per_rank * world)
+            tokens, positions = tokens + new, positions + new
         if rank == 0:
             bar.update()
             if logged:
                 bar.set_postfix(loss=f"{mean.get('loss', 0):.3f}", acc=f"{mean.get('acc', 0):.3f}")
-                log.write(json.dumps({"step": step, "lr": lr, "grad_norm": float(grad_norm), **mean,
-                                      "elapsed_s": time.time() - started,
-                                      "tokens_per_second": tokens / (time.time() - started)}) + "\n")
+                record = {"lr": lr, "grad_norm": float(grad_norm), **mean, "positions": positions,
+                          "elapsed_s": time.time() - started,
+                          "tokens_per_second": tokens / (time.time() - started)}
+                log.write(json.dumps({"step": step, **record}) + "\n")
                 log.flush()
+                for k, v in record.items():
+                    board.add_scalar(k if k in ("loss", "kl", "acc", "acc_k1") else f"run/{k}", v, step)
+                board.flush()
             if step % cfg.save_every == 0 or step == cfg.steps:
                 atomic_save({"model": {k: v for k, v in model.state_dict().items()},
-                             "optim": optim.state_dict(), "step": step, "config": asdict(cfg)}, ckpt)
+                             "optim": optim.state_dict(), "step": step, "positions": positions, "config": asdict(cfg)}, ckpt)
                 save_model(out / cfg.model_dir)
             if cfg.keep_every and step % cfg.keep_every == 0:
                 save_model(out / f"{cfg.model_dir}-step{step:06d}")
@@ -141,4 +152,5 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
     bar.close()
     if log:
         log.close()
-    return {"steps": step, "seconds": time.time() - started, "tokens": tokens}
+        board.close()
+    return {"steps": step, "seconds": time.time() - started, "tokens": tokens, "positions": positions}
