@@ -24,11 +24,11 @@ def test_fresh_ar_layer_reproduces_the_backbone(kind, prev, tmp_path):
     target = tiny_target("llama")
     backbone = tiny_drafter(target)
     taps = torch.randn(20, 2, 64)
-    first, positions = torch.tensor([3, 9]), torch.arange(8).repeat(2) + 10
+    tokens, anchors = torch.randint(0, 96, (20,)), torch.tensor([5, 11])
     prev_tokens = torch.randint(0, 96, (2, 7, prev))
-    before = backbone(first, positions, taps, None)
+    before = backbone(anchors, tokens, taps)
     backbone.add_ar_layer(kind, prev)
-    torch.testing.assert_close(backbone(first, positions, taps, None, prev_tokens), before, atol=0, rtol=0)
+    torch.testing.assert_close(backbone(anchors, tokens, taps, prev_tokens), before, atol=0, rtol=0)
     backbone.save_pretrained(tmp_path, dtype=torch.float32)  # and the layer survives a round trip
     loaded = DFlashDrafter.from_pretrained(tmp_path)
     assert loaded.ar_layer is not None and loaded.config.ar_layer == backbone.config.ar_layer
