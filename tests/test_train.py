@@ -461,3 +461,38 @@ def test_draft_layers_can_start_as_the_targets_last_layers():
         assert torch.equal(mine.self_attn.q_norm.weight, torch.ones(drafter.config.head_dim))
     taps = torch.randn(5, 2, 64)
     torch.testing.assert_close(drafter.fc(taps.flatten(-2)), taps[:, -1])  # the deepest tap, as it is
+
+
+def test_a_stage_ships_only_when_it_wins_everywhere(tmp_path):
+    """scripts/ship_if_better.py: exit 0 and copy only if every method beats the shipped drafters on every domain;
+    a shipped adapter points at the shipped DFlash folder beside it."""
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "ship_if_better.py"
+
+    def report(name, tau):
+        (tmp_path / "run" / "eval").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "run" / "eval" / name).write_text(json.dumps({"methods": {"ddtree": {"expected_tau": tau}}}))
+
+    for domain in ("chat-dev", "gsm8k", "humaneval", "mbpp"):
+        report(f"shipped-{domain}.json", 2.0)
+        report(f"new-{domain}.json", 2.1 if domain != "mbpp" else 1.9)
+    new, shipped = tmp_path / "new", tmp_path / "ckpt" / "smollm2-135m-instruct-treeflash"
+    for folder, backbone in ((new, "../../run/dflash"), (shipped, "../smollm2-135m-instruct-dflash")):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"treeflash_config": {"backbone": backbone}, "v": str(folder)}))
+    (shipped / "README.md").write_text("card")
+
+    def ship():
+        return subprocess.run([sys.executable, str(script), str(tmp_path / "run"), "ddtree", "1", str(new),
+                               str(shipped)], capture_output=True, text=True)
+
+    lost = ship()
+    assert lost.returncode == 1 and "| mbpp | 2.000 | 1.900 | 0.950x |" in lost.stdout
+    assert json.loads((shipped / "config.json").read_text())["v"] == str(shipped)  # untouched
+    report("new-mbpp.json", 2.2)
+    won = ship()
+    assert won.returncode == 0, won.stdout + won.stderr
+    config = json.loads((shipped / "config.json").read_text())
+    assert config["v"] == str(new) and config["treeflash_config"]["backbone"] == "../smollm2-135m-instruct-dflash"
+    assert (shipped / "README.md").read_text() == "card"
