@@ -1,0 +1,305 @@
+"""DFlash2: DFlash's block drafter with a grouped dynamic causal conv around every sub-layer and a low-rank
+candidate selector that conditions each drafted slot on the previous slot's token (DESIGN section 5a).
+
+The backbone is DFlash's (context taps -> `fc` -> `hidden_norm`, injected as keys/values; block = [anchor,
+mask x (γ-1)], bidirectional; final `norm`, the target's LM head), built from the same pieces (blocks.py). What
+DFlash2 adds:
+
+- per layer, `attention_conv` and `mlp_conv`: with x_n the sub-layer's normed input and D = P(x_n) viewed
+  [.., 2, Kc, G], Conv_s(z)[t, c] = Σ_{o<Kc} (W[s, o, c] + D[t, s, o, c // gs]) z[t - o, c]; the sub-layer reads
+  Conv_0(x_n) and the residual stream gets Conv_1(its output). Causal over the block positions (zeros before the
+  block's first), never over the context;
+- `candidate_selector`: the top-K tokens C_d of each slot's logits U_d are rescored by
+  s_d(c | p) = U_d[c] + Σ_r A[p]_r (P h_d)_r B[c]_r, p the previous slot's token (the anchor for the first slot);
+- `input_embedding_scale` on the block's embeddings, `output_multiplier` and `final_logit_softcapping` on its
+  logits.
+
+Tensor names and config keys are those of the published format read by the reference implementation (PyPI
+`dflash` 0.1.0, `DFlash2DraftModel`): `from_pretrained` reads such a folder, `save_pretrained` writes one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import MLP, Attention, RMSNorm
+from .checkpoint import DrafterError, load_strict, read_weights, save_checkpoint
+from .dflash import ContextCache, DFlashConfig, DFlashDrafter
+
+ARCHITECTURE = "DFlash2DraftModel"
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+@dataclass
+class DFlash2Config:
+    """What DFlash2 adds to a DFlash config; `backbone` is the DFlash part (widths, taps, block, mask token)."""
+
+    backbone: DFlashConfig
+    conv_kernel_size: int  # Kc: taps of the causal conv over the block
+    conv_group_size: int  # gs: channels sharing one dynamic kernel (G = H / gs groups)
+    selector_rank: int  # r of the codebooks
+    selector_top_k: int  # K candidates per slot
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    OWN = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
+           "output_multiplier", "final_logit_softcapping")
+
+    @classmethod
+    def for_target(cls, target_config, conv_kernel_size: int = 2, conv_group_size: int = 16, selector_rank: int = 256,
+                   selector_top_k: int = 16, **backbone) -> "DFlash2Config":
+        """Defaults: SpecForge's Qwen3.6-27B recipe (Kc 2, gs 16, r 256, K 16); `backbone` as DFlashConfig.for_target."""
+        return cls(DFlashConfig.for_target(target_config, **backbone), conv_kernel_size, conv_group_size,
+                   selector_rank, selector_top_k)
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "DFlash2Config":
+        """The reference reads each key from `dflash_config`, else from the top level."""
+        raw = dict(raw)
+        dflash = dict(raw.get("dflash_config") or {})
+        own = {k: dflash.pop(k, raw.pop(k, None)) for k in cls.OWN}
+        missing = [k for k in cls.OWN[:4] if own[k] is None]
+        if missing:
+            raise DrafterError(f"not a DFlash2 config: {', '.join(missing)} missing")
+        backbone = DFlashConfig.from_json({**raw, "dflash_config": dflash})
+        if backbone.mask_token_id is None:
+            raise DrafterError("a DFlash2 config needs dflash_config.mask_token_id (a token of the target's vocabulary)")
+        softcap = own["final_logit_softcapping"]
+        return cls(backbone, *(int(own[k]) for k in cls.OWN[:4]),
+                   input_embedding_scale=float(1.0 if own["input_embedding_scale"] is None
+                                               else own["input_embedding_scale"]),
+                   output_multiplier=float(1.0 if own["output_multiplier"] is None else own["output_multiplier"]),
+                   final_logit_softcapping=None if softcap is None else float(softcap))
+
+    def to_json(self) -> dict:
+        d = self.backbone.to_json()
+        d["architectures"] = [ARCHITECTURE]
+        d["dflash_config"].update({k: v for k, v in asdict(self).items() if k != "backbone"})
+        return d
+
+
+class GroupedDynamicConv(nn.Module):
+    """The conv pair around one sub-layer: side 0 on its input, side 1 on its output, both with kernels predicted
+    from the same normed input. Starts as the identity (W[:, 0] = 1, other taps 0, P = 0)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        if hidden_size % group_size:
+            raise DrafterError(f"conv_group_size {group_size} does not divide the hidden size {hidden_size}")
+        self.kernel_size, self.groups = kernel_size, hidden_size // group_size
+        base = torch.zeros(2, kernel_size, hidden_size)
+        base[:, 0] = 1
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def dynamic(self, x_n: torch.Tensor) -> torch.Tensor:
+        """The predicted kernel parts D [..., T, 2, Kc, G] of the normed input x_n [..., T, H]."""
+        return self.kernel_projection(x_n).unflatten(-1, (2, self.kernel_size, self.groups))
+
+    def forward(self, z: torch.Tensor, dynamic: torch.Tensor, side: int) -> torch.Tensor:
+        """Conv_side(z) over the block axis (-2) of z [..., T, H]."""
+        T = z.shape[-2]
+        z = z.unflatten(-1, (self.groups, -1))  # [..., T, G, gs]: a dynamic weight per group
+        out = torch.zeros_like(z)
+        for o in range(min(self.kernel_size, T)):
+            past = F.pad(z[..., :T - o, :, :], (0, 0, 0, 0, o, 0))  # z[t - o], zeros before the block
+            w = self.base_kernel[side, o].view(self.groups, -1).to(z.dtype) + dynamic[..., side, o, :, None]
+            out = out + w * past
+        return out.flatten(-2)
+
+
+class ConvLayer(nn.Module):
+    """A DFlash decoder layer (blocks.Layer's parts, the published names) with a conv around each sub-layer."""
+
+    def __init__(self, c: DFlash2Config):
+        super().__init__()
+        b = c.backbone
+        self.input_layernorm = RMSNorm(b.hidden_size, b.rms_norm_eps)
+        self.self_attn = Attention(b)
+        self.post_attention_layernorm = RMSNorm(b.hidden_size, b.rms_norm_eps)
+        self.mlp = MLP(b)
+        self.attention_conv = GroupedDynamicConv(b.hidden_size, c.conv_kernel_size, c.conv_group_size)
+        self.mlp_conv = GroupedDynamicConv(b.hidden_size, c.conv_kernel_size, c.conv_group_size)
+
+    def forward(self, h, positions, ctx_k, ctx_v, mask, ctx_len=None):
+        x = self.input_layernorm(h)
+        d = self.attention_conv.dynamic(x)
+        a = self.self_attn(self.attention_conv(x, d, 0), positions, ctx_k, ctx_v, mask, ctx_len)
+        h = h + self.attention_conv(a, d, 1)
+        x = self.post_attention_layernorm(h)
+        d = self.mlp_conv.dynamic(x)
+        return h + self.mlp_conv(self.mlp(self.mlp_conv(x, d, 0)), d, 1)
+
+
+class CandidateSelector(nn.Module):
+    """Rescoring of each slot's top-K tokens given the previous slot's token. The codebooks are plain [V, r]
+    parameters (stored without `.weight`, as published); the successor one starts at 0: plain unary scores."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(0.02 * torch.randn(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def tables(self, x: torch.Tensor, logits: torch.Tensor, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the normed states x [D, H] and logits [D, V] of slots 1..D after the anchor `root`: candidates
+        [D, K] (most likely first) and scores [D, K, K], s[d, j, k] = s_d(cand[d, k] | parent j), the parents
+        being the previous slot's candidates (for d = 0 the anchor, the same in every row)."""
+        unary, cand = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        parents = torch.cat([torch.full_like(cand[:1], root), cand[:-1]])  # [D, K]
+        a = F.embedding(parents, self.predecessor_codebook).float()  # [D, K(parent), r]
+        b = F.embedding(cand, self.successor_codebook).float()  # [D, K(child), r]
+        ph = self.hidden_projection(x).float()  # [D, r]
+        return cand, unary[:, None, :] + torch.einsum("djr,dr,dkr->djk", a, ph, b)
+
+
+def walk(cand: torch.Tensor, scores: torch.Tensor, temperature: float = 0.0,
+         generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+    """The reference's chain through the tables: slot by slot, the previous choice picks the row. T = 0: the
+    argmax; T > 0: a sample of q_d = softmax(s_d / T) over the K candidates. Returns the tokens [D] and, at
+    T > 0, the rows q [D, K] they were drawn from (aligned with `cand`)."""
+    row, tokens, qs = 0, [], []
+    for d in range(cand.shape[0]):
+        s = scores[d, row]
+        if temperature > 0:
+            q = torch.softmax(s / temperature, dim=-1)
+            row = int(torch.multinomial(q, 1, generator=generator))
+            qs.append(q)
+        else:
+            row = int(s.argmax())
+        tokens.append(int(cand[d, row]))
+    return tokens, torch.stack(qs) if qs else None
+
+
+class DFlash2Drafter(nn.Module):
+    """The DFlash2 block drafter. Like DFlashDrafter, it uses the target's embedding and LM head (attached, not
+    owned) and keeps only the context's injected K/V between rounds (a models.dflash.ContextCache)."""
+
+    def __init__(self, config: DFlash2Config):
+        super().__init__()
+        self.dflash2 = config
+        c = self.config = config.backbone  # what the shared pieces (Attention, ContextCache, BlockDrafter) read
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(ConvLayer(config) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, config.selector_rank,
+                                                    config.selector_top_k)
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear) and not name.endswith("kernel_projection"):
+                nn.init.normal_(m.weight, std=0.02)
+        self._target = ()  # (embed, lm_head): a tuple, so that they are not registered (nor saved)
+        self.ar_layer = None  # none: BlockDrafter asks
+
+    # ---- the target's modules -------------------------------------------------------------------------------
+    def attach(self, target_model) -> "DFlash2Drafter":
+        c, tc = self.config, target_model.config.get_text_config(decoder=True)
+        problems = []
+        if tc.hidden_size != c.hidden_size:
+            problems.append(f"hidden size {c.hidden_size} vs the target's {tc.hidden_size}")
+        if tc.vocab_size != c.vocab_size:
+            problems.append(f"vocabulary {c.vocab_size} vs the target's {tc.vocab_size}")
+        if max(c.target_layer_ids) >= tc.num_hidden_layers:
+            problems.append(f"taps layers {c.target_layer_ids}, the target has {tc.num_hidden_layers}")
+        if problems:
+            raise DrafterError("this drafter does not fit the target: " + "; ".join(problems))
+        self._target = (target_model.get_input_embeddings(), target_model.get_output_embeddings())
+        return self
+
+    @property
+    def embed(self) -> nn.Module:
+        if not self._target:
+            raise RuntimeError("attach(target_model) first: the drafter uses the target's embedding and LM head")
+        return self._target[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._target[1] if self._target and self._target[1] is not None else self.embed
+
+    # ---- forward pieces (DFlashDrafter's, see there) ------------------------------------------------------------
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """Context features [C, H] from the target's tapped hidden states [C, n_taps, H]."""
+        return self.hidden_norm(self.fc(taps.flatten(-2).to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
+
+    def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings [N * γ, H] of N blocks [token, mask x (γ-1)]: the target's raw embedding rows (as the
+        reference: an embedding module that scales itself is bypassed) times input_embedding_scale."""
+        tokens = torch.full((len(first_tokens), self.config.block_size), self.config.mask_token_id,
+                            dtype=torch.long, device=first_tokens.device)
+        tokens[:, 0] = first_tokens
+        return F.embedding(tokens, self.embed.weight).flatten(0, 1) * self.dflash2.input_embedding_scale
+
+    def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
+        """Final block states before the final norm; `ctx_kv` per layer (k, v) of the context, or a ContextCache."""
+        h = x.to(self.fc.weight.dtype)
+        if isinstance(ctx_kv, ContextCache):
+            ctx_kv.reserve(len(ctx_kv) + len(x))
+            for layer, k, v in zip(self.layers, ctx_kv.k, ctx_kv.v):
+                h = layer(h, positions, k, v, mask, len(ctx_kv))
+            return h
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            h = layer(h, positions, k, v, mask)
+        return h
+
+    @torch.no_grad()
+    def draft_states(self, root: int, position: int, ctx_kv) -> torch.Tensor:
+        """Pre-norm states [γ - 1, H] of the drafted slots of the block after `root` (at `position`)."""
+        device = self.fc.weight.device
+        x = self.block_inputs(torch.tensor([root], device=device))
+        return self.hidden(x, position + torch.arange(self.config.block_size, device=device), ctx_kv, None)[1:]
+
+    @torch.no_grad()
+    def draft_states_batch(self, roots: list[int], contexts: list) -> torch.Tensor:
+        """`draft_states` of B sequences in one forward [B, γ - 1, H] (each block sees its own, padded context):
+        DFlashDrafter's code, which needs only block_inputs, config, fc and layers, run over this model's."""
+        return DFlashDrafter.draft_states_batch(self, roots, contexts)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, the target's LM head, output_multiplier, then the soft cap: [..., V] (the unary scores)."""
+        head = self.lm_head
+        logits = F.linear(self.norm(h), head.weight.to(h.dtype), getattr(head, "bias", None))
+        logits = logits * self.dflash2.output_multiplier
+        cap = self.dflash2.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    @torch.no_grad()
+    def selector_tables(self, root: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates [γ-1, K] and conditional scores s_d(c | p) [γ-1, K, K] (CandidateSelector.tables) from the
+        pre-norm states h [γ-1, H] of the block after `root`."""
+        return self.candidate_selector.tables(self.norm(h), self.logits(h), root)
+
+    # ---- save / load -------------------------------------------------------------------------------------------
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """config.json + model.safetensors in the published DFlash2 layout."""
+        save_checkpoint(self.state_dict(), self.dflash2.to_json(), folder, dtype)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DFlash2Drafter":
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
+        model = cls(DFlash2Config.from_json(json.loads((folder / "config.json").read_text())))
+        state = read_weights(folder)
+        # the target's embedding / head, if stored, are not used; codebooks saved as nn.Embedding carry `.weight`
+        state = {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v
+                 for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+        load_strict(model, state, str(folder))
+        return model.to(dtype).eval()
+
+
+def is_dflash2(folder: str | Path) -> bool:
+    """Whether the drafter folder holds a DFlash2 drafter (by its config's architectures)."""
+    config = Path(folder) / "config.json"
+    return config.is_file() and ARCHITECTURE in (json.loads(config.read_text()).get("architectures") or [])
