@@ -252,3 +252,24 @@ def test_a_fresh_drafter_is_dflash(target):
     cand, scores = fresh.selector_tables(ROOT, h)
     torch.testing.assert_close(scores, fresh.logits(h).float().topk(TOP_K).values[:, None, :].expand_as(scores))
     assert walk(cand, scores)[0] == backbone.logits(h).argmax(-1).tolist()
+
+
+def test_export_writes_the_reference_layout(tmp_path, target, reference):
+    """`treeflash export` of a DFlash2 folder: the published layout (bf16, as shipped), which the reference loads."""
+    from safetensors.torch import load_file
+
+    from treeflash.cli import main
+
+    src = write_published(tmp_path / "published")
+    assert main(["export", str(src), "--to", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    written = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in written.items()} == published_shapes()
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    assert "DFlash2DraftModel.from_pretrained" in (out / "README.md").read_text()
+    theirs = reference.DFlash2DraftModel.from_pretrained(out, dtype=torch.float32).eval()
+    for k, v in written.items():
+        key = k + ".weight" if k in ("candidate_selector.predecessor_codebook",
+                                     "candidate_selector.successor_codebook") else k
+        torch.testing.assert_close(theirs.state_dict()[key], v.float(), atol=0, rtol=0)
+        torch.testing.assert_close(v.float(), random_weights()[k].to(torch.bfloat16).float(), atol=0, rtol=0)

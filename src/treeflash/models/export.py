@@ -15,12 +15,16 @@ from .. import __version__
 from ..target import hub_id
 from .checkpoint import DrafterError
 from .dflash import DFlashDrafter
+from .dflash2 import DFlash2Drafter, is_dflash2
 
 TREEFLASH_DIR = "treeflash"
 
 
 def export_drafter(source: str | Path, out: str | Path, target: str) -> dict:
-    """Write `source` (a DFlash or TreeFlash drafter folder, adapters included) to `out`; returns a summary."""
+    """Write `source` (a DFlash, TreeFlash or DFlash2 drafter folder, adapters included) to `out`; returns a
+    summary."""
+    if is_dflash2(source):
+        return _export_dflash2(source, out, target)
     drafter = DFlashDrafter.from_pretrained(source)
     c = drafter.config
     if c.mask_token_id is None:
@@ -38,6 +42,28 @@ def export_drafter(source: str | Path, out: str | Path, target: str) -> dict:
                "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids, "treeflash": treeflash,
                "gguf": "not written: llama.cpp's GGUF tools (gguf 0.19) define no DFlash architecture yet"}
     (out / "README.md").write_text(_readme(summary))
+    return summary
+
+
+def _export_dflash2(source: str | Path, out: str | Path, target: str) -> dict:
+    """A DFlash2 drafter, in the published DFlash2 layout (what the reference `DFlash2DraftModel` reads)."""
+    drafter = DFlash2Drafter.from_pretrained(source)
+    drafter.save_pretrained(out)
+    c = drafter.dflash2
+    summary = {"source": str(source), "out": str(out), "target": hub_id(target), "architecture": "DFlash2DraftModel",
+               "block_size": c.backbone.block_size, "mask_token_id": c.backbone.mask_token_id,
+               "target_layer_ids": c.backbone.target_layer_ids}
+    (Path(out) / "README.md").write_text(f"""# A DFlash2 drafter for {summary['target']}
+
+Exported by `treeflash export` (treeflash {__version__}) from `{source}`, in the published DFlash2 layout:
+DFlash's draft layers with a grouped dynamic causal conv around each sub-layer and a candidate selector;
+`dflash_config` = block size {c.backbone.block_size}, mask token id {c.backbone.mask_token_id}, target layers
+{c.backbone.target_layer_ids}, conv kernel {c.conv_kernel_size} (groups of {c.conv_group_size}), selector rank
+{c.selector_rank}, top {c.selector_top_k} candidates. The target's embedding and LM head are not included.
+
+- The reference implementation (`pip install dflash`): `DFlash2DraftModel.from_pretrained("{Path(out).resolve()}")`.
+- treeflash: `treeflash generate "Hello" --target {summary['target']} --drafter {Path(out).resolve()} --method dflash2`.
+""")
     return summary
 
 
