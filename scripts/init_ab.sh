@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # A/B of a fresh DFlash drafter's start: random layers against copies of the target's last layers (the deepest tap
 # as context), at equal drafted positions (same data, seed, sequences and anchors), then ddtree tau on chat-dev and
-# GSM8K with `paired`. Nothing else may run meanwhile. Writes $OUT/{random,target}/ and $OUT/ab.json.
+# GSM8K with `paired`. Both arms read one snapshot of the answer store ($OUT/answers, copied at the first call), so
+# a store that grows meanwhile (a regen beside it) changes neither arm's data. tau does not depend on the wall clock,
+# so the arms may share the machine: PARALLEL=1 THREADS=1 runs both at once, one core each. Writes $OUT/{random,target}/, ab.json.
 #
-#   bash scripts/init_ab.sh [STEPS]        # STEPS of 4 sequences per arm (160); OUT=runs/init-ab
+#   bash scripts/init_ab.sh [STEPS]        # STEPS of 4 sequences per arm (160); OUT=runs/init-ab, THREADS
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-160}
 OUT=${OUT:-runs/init-ab}
 TF=.venv/bin/treeflash
-for arm in random target; do
-    $TF train dflash --init-layers "$arm" --out "$OUT/$arm" --steps "$STEPS" --batch-size 4 --max-len 512 \
-        --save-every 50 --log-every 10 --seed 0
+THREADS=${THREADS:-$(nproc)}
+export OMP_NUM_THREADS=$THREADS  # paired too
+[ -d "$OUT/answers" ] || { mkdir -p "$OUT" && cp -r data/answers "$OUT/answers.tmp" && mv "$OUT/answers.tmp" "$OUT/answers"; }
+arm() {
+    $TF train dflash --init-layers "$1" --out "$OUT/$1" --steps "$STEPS" --batch-size 4 --max-len 512 \
+        --save-every 50 --log-every 10 --seed 0 --data "$OUT/answers" --threads "$THREADS"
     for dataset in chat-dev gsm8k; do
-        f="$OUT/$arm/paired-$dataset.json"
+        f="$OUT/$1/paired-$dataset.json"
         [ -f "$f" ] || $TF paired --dataset "$dataset" --limit 10 --max-new-tokens 128 --budget 16 --methods ddtree \
-            --drafter "$OUT/$arm/drafter" --no-progress --out "$f"
+            --drafter "$OUT/$1/drafter" --no-progress --out "$f"
     done
-done
+}
+if [ "${PARALLEL:-0}" = 1 ]; then  # both arms at once (THREADS=1 each on a 2-core machine)
+    arm random & arm target & wait -n && wait -n
+else
+    arm random && arm target
+fi
 .venv/bin/python - "$OUT" "$(../shared/tools/machine-facts.sh 2>/dev/null || true)" <<'PY'
 import json, sys
 from pathlib import Path
