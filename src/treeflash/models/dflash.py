@@ -242,7 +242,8 @@ class DFlashDrafter(nn.Module):
 
     @property
     def lm_head(self) -> nn.Module:
-        return self._target[1] if self._target else self.embed
+        # a target whose head is tied to its embedding may have no output module of its own
+        return self._target[1] if self._target and self._target[1] is not None else self.embed
 
     # ---- forward pieces ---------------------------------------------------------------------------------------
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:

@@ -200,38 +200,14 @@ class DFlash2Drafter(nn.Module):
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered (nor saved)
         self.ar_layer = None  # none: BlockDrafter asks
 
-    # ---- the target's modules -------------------------------------------------------------------------------
-    def attach(self, target_model) -> "DFlash2Drafter":
-        c, tc = self.config, target_model.config.get_text_config(decoder=True)
-        problems = []
-        if tc.hidden_size != c.hidden_size:
-            problems.append(f"hidden size {c.hidden_size} vs the target's {tc.hidden_size}")
-        if tc.vocab_size != c.vocab_size:
-            problems.append(f"vocabulary {c.vocab_size} vs the target's {tc.vocab_size}")
-        if max(c.target_layer_ids) >= tc.num_hidden_layers:
-            problems.append(f"taps layers {c.target_layer_ids}, the target has {tc.num_hidden_layers}")
-        if problems:
-            raise DrafterError("this drafter does not fit the target: " + "; ".join(problems))
-        self._target = (target_model.get_input_embeddings(), target_model.get_output_embeddings())
-        return self
+    # ---- the target's modules: DFlashDrafter's (the same config fields and checks) -------------------------------
+    attach = DFlashDrafter.attach
+    embed = DFlashDrafter.embed
+    lm_head = DFlashDrafter.lm_head
 
-    @property
-    def embed(self) -> nn.Module:
-        if not self._target:
-            raise RuntimeError("attach(target_model) first: the drafter uses the target's embedding and LM head")
-        return self._target[0]
-
-    @property
-    def lm_head(self) -> nn.Module:
-        return self._target[1] if self._target and self._target[1] is not None else self.embed
-
-    # ---- forward pieces (DFlashDrafter's, see there) ------------------------------------------------------------
-    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
-        """Context features [C, H] from the target's tapped hidden states [C, n_taps, H]."""
-        return self.hidden_norm(self.fc(taps.flatten(-2).to(self.fc.weight.dtype)))
-
-    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
+    # ---- forward pieces (DFlashDrafter's where the arithmetic is the same, see there) --------------------------
+    fuse = DFlashDrafter.fuse
+    context_kv = DFlashDrafter.context_kv
 
     def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [N * γ, H] of N blocks [token, mask x (γ-1)]: the target's raw embedding rows (as the
