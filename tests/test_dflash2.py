@@ -152,7 +152,7 @@ def test_reference_and_ours_agree_on_a_published_checkpoint(tmp_path, target, re
     head = target.model.lm_head
     path, their_cand, _ = theirs.propose(expected[None, 1:], torch.tensor([ROOT]), head, 0.0)
     cand, scores = ours.selector_tables(ROOT, h)
-    tokens, _ = walk(cand, scores)
+    tokens, _, _ = walk(cand, scores)
     assert tokens == path[0].tolist()
     assert torch.equal(cand.sort(-1).values, their_cand[0].sort(-1).values)
     assert tokens != cand[:, 0].tolist(), "the selector should change some choice here, or the test cannot fail"
@@ -273,3 +273,192 @@ def test_export_writes_the_reference_layout(tmp_path, target, reference):
                                      "candidate_selector.successor_codebook") else k
         torch.testing.assert_close(theirs.state_dict()[key], v.float(), atol=0, rtol=0)
         torch.testing.assert_close(v.float(), random_weights()[k].to(torch.bfloat16).float(), atol=0, rtol=0)
+
+
+# ---- method dflash2 through the engines ---------------------------------------------------------------------------
+
+def dflash2_folder(folder, target, seed: int = 1, block_size: int = 8, top_k: int = 6):
+    """A random DFlash2 drafter for `target` (its last token id as the mask), with non-trivial convs and selector."""
+    torch.manual_seed(seed)
+    vocab = target.config.vocab_size
+    config = DFlash2Config.for_target(target.config, conv_kernel_size=KC, conv_group_size=GS, selector_rank=RANK,
+                                      selector_top_k=top_k, num_layers=2, num_taps=2, block_size=block_size,
+                                      mask_token_id=vocab - 1)
+    model = DFlash2Drafter(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("base_kernel", "kernel_projection.weight")):
+                p.copy_(0.3 * torch.randn_like(p))
+            elif name.startswith("candidate_selector."):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(folder, dtype=torch.float32)
+    return folder
+
+
+@pytest.mark.parametrize("kind,method", [("llama", "dflash2"), ("qwen3", "dflash2"), ("llama", "dflash2-tree"),
+                                         ("qwen3", "dflash2-tree")])
+def test_dflash2_matches_ar(tmp_path, kind, method):
+    """T = 0: the selector's argmax chain, and the OPT-Tree over its tables, verified, give exactly the target's
+    greedy tokens (fp32), alone and batched (mixed lengths and limits, more prompts than slots)."""
+    import random
+
+    from treeflash import generate
+    from treeflash.batching import BatchEngine
+    from treeflash.drafters import make_drafter
+
+    from test_lossless import repetitive_prompt
+
+    target = tiny_target(kind)
+    drafter = make_drafter(method, target, str(dflash2_folder(tmp_path / "d", target)))
+    assert drafter.name == method
+    prompts = [repetitive_prompt(random.Random(seed), 96, n) for seed, n in zip(range(4), (40, 12, 25, 33))]
+    limits = [40, 9, 30, 1]
+    ar = [generate(target, make_drafter("ar"), p, n).tokens for p, n in zip(prompts, limits)]
+    for budget in (1, 5, 16, "auto"):
+        for p, n, expected in zip(prompts, limits, ar):
+            assert generate(target, drafter, p, n, budget=budget).tokens == expected, budget
+    for budget in (3, 16):
+        results = BatchEngine(target, drafter, max_batch=3, budget=budget).run(prompts, limits[0])
+        assert [r.tokens[:n] for r, n in zip(results, limits)] == ar
+
+
+def test_dflash2_tree_is_the_best_tree_over_the_selector_tables(tmp_path):
+    """dflash2-tree's tree is a real tree (not the chain), and its expected accepted length under the selector's
+    conditionals is at least the reference chain's, which is one of the trees of that size."""
+    from treeflash.drafters import make_drafter
+    from treeflash.trees.opt_tree import tree_value
+
+    target = tiny_target("llama")
+    folder = str(dflash2_folder(tmp_path / "d", target))
+    tree_drafter, chain_drafter = (make_drafter(m, target, folder) for m in ("dflash2-tree", "dflash2"))
+    torch.manual_seed(0)
+    h = torch.randn(7, target.config.hidden_size, dtype=tree_drafter.model.fc.weight.dtype)
+    cand, scores = tree_drafter.model.selector_tables(ROOT, h)
+    cond = torch.softmax(scores, dim=-1)
+    tree, chain = tree_drafter.tree([ROOT], h, 7), chain_drafter.tree([ROOT], h, 7)
+    assert len(tree) == len(chain) == 8 and not tree.is_chain and chain.is_chain
+    assert tree_value(tree, cand, cond) >= tree_value(chain, cand, cond) - 1e-6
+
+
+def test_dflash2_without_a_folder_is_refused(tmp_path):
+    from treeflash.drafters import make_drafter
+    from treeflash.models.checkpoint import DrafterError
+
+    target = tiny_target("llama")
+    with pytest.raises(FileNotFoundError, match="no DFlash2 drafter ships"):
+        make_drafter("dflash2", target)
+    from test_dflash import tiny_drafter
+
+    tiny_drafter(target).save_pretrained(tmp_path / "dflash")
+    with pytest.raises(DrafterError, match="not a DFlash2 drafter"):
+        make_drafter("dflash2", target, str(tmp_path / "dflash"))
+
+
+@pytest.fixture(scope="module")
+def peaky_dflash2(tmp_path_factory):
+    """test_sampling's sharp 10-token target, and a DFlash2 drafter on it whose q (K = 4 of 10 tokens) is far
+    from the target's distribution: many rejections, each drawing from the residual."""
+    from test_sampling import VOCAB
+
+    from treeflash.drafters import make_drafter
+
+    target = tiny_target("llama", seed=3, vocab_size=VOCAB, logit_scale=8)
+    folder = dflash2_folder(tmp_path_factory.mktemp("dflash2") / "d", target, block_size=4, top_k=4)
+    return target, make_drafter("dflash2", target, str(folder)), make_drafter("dflash2-tree", target, str(folder))
+
+
+def test_dflash2_sampling_is_exact(peaky_dflash2, monkeypatch):
+    """T > 0 end to end: drafts sampled from the drafter's q, accepted by speculative sampling: the emitted tokens
+    are exact samples (test_sampling's chi-square on the 2nd and 3rd tokens), and the rejection path ran."""
+    import treeflash.verify
+    from test_sampling import chi_square_pvalue
+
+    from treeflash import Sampling
+
+    target, drafter, _ = peaky_dflash2
+    calls = []
+    real = treeflash.verify.residual
+    monkeypatch.setattr(treeflash.verify, "residual", lambda *a: calls.append(1) or real(*a))
+    assert chi_square_pvalue(target, Sampling(temperature=1.0), drafter) > 1e-3
+    assert len(calls) > 500  # the residual drew many of the tokens: it is what the test checks
+
+
+def test_dflash2_tree_sampling_is_exact(peaky_dflash2):
+    """T > 0, dflash2-tree: a deterministic tree under the usual acceptance, exact samples by the same test."""
+    from test_sampling import chi_square_pvalue
+
+    from treeflash import Sampling
+
+    target, _, drafter = peaky_dflash2
+    assert chi_square_pvalue(target, Sampling(temperature=1.0), drafter) > 1e-3
+
+
+def test_dflash2_without_the_residual_fails_the_same_test(peaky_dflash2, monkeypatch):
+    """The control: drawing from p instead of norm(max(0, p - q)) after a rejection is biased, and the test sees it."""
+    import treeflash.verify
+    from test_sampling import chi_square_pvalue
+
+    from treeflash import Sampling
+
+    target, drafter, _ = peaky_dflash2
+    monkeypatch.setattr(treeflash.verify, "residual", lambda p, ids, q: p)
+    pvalue = chi_square_pvalue(target, Sampling(temperature=1.0), drafter)
+    print(f"without the residual: p = {pvalue:.2e}")
+    assert pvalue < 1e-6
+
+
+def first_tokens(cand, q, logits, sampling, draws: int) -> torch.Tensor:
+    """Counts [V] of the first token `accept` emits after the root, over many chains drawn from the proposal
+    (cand, q) [D, K] (row d: the distribution of draft d + 1, whatever its parent), on fixed target logits."""
+    from treeflash import DraftTree
+    from treeflash.verify import accept
+
+    g, counts = torch.Generator().manual_seed(1), torch.zeros(logits.shape[-1])
+    for _ in range(draws):
+        drafts = cand.gather(1, torch.multinomial(q, 1, generator=g))[:, 0].tolist()
+        chain = DraftTree.chain(5, drafts, proposal=(cand, q))
+        path, bonus = accept(chain, logits, sampling, g)
+        counts[drafts[0] if len(path) > 1 else bonus] += 1
+    return counts
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_speculative_sampling_of_a_chain(biased, monkeypatch):
+    """`accept` on a sampled chain (top-k / top-p target): the first emitted token is an exact sample of the
+    target's processed distribution at the root, and drawing from p after a rejection (the control) is not."""
+    from scipy.stats import chisquare
+
+    import treeflash.verify
+    from treeflash import Sampling
+
+    if biased:
+        monkeypatch.setattr(treeflash.verify, "residual", lambda p, ids, q: p)
+    g = torch.Generator().manual_seed(0)
+    cand = torch.stack([torch.randperm(10, generator=g)[:4] for _ in range(2)])
+    q = torch.softmax(3 * torch.randn(2, 4, generator=g), -1)  # far from p: many rejections
+    logits = 2 * torch.randn(3, 10, generator=g)
+    sampling = Sampling(temperature=0.8, top_k=6, top_p=0.9)
+    draws = 6000
+    counts = first_tokens(cand, q, logits, sampling, draws)
+    p = sampling.probs(logits[0])
+    assert counts[p == 0].sum() == 0 or biased
+    keep = p > 0
+    pvalue = chisquare(counts[keep].numpy(), (p[keep] * draws).numpy()).pvalue
+    assert (pvalue < 1e-6) if biased else (pvalue > 1e-3), pvalue
+
+
+def test_expected_accepted_of_a_sampled_chain():
+    """E[accepted | chain, q] = 1 + sum of the products of min(1, p / q): against the mean of `accept`."""
+    from treeflash import DraftTree, Sampling
+    from treeflash.verify import accept, expected_accepted
+
+    g = torch.Generator().manual_seed(0)
+    cand = torch.stack([torch.randperm(10, generator=g)[:4] for _ in range(3)])
+    q = torch.softmax(torch.randn(3, 4, generator=g), -1)
+    chain = DraftTree.chain(5, cand[:, 0].tolist(), q[:, 0].tolist(), proposal=(cand, q))
+    logits = 2 * torch.randn(4, 10, generator=g)
+    sampling = Sampling(temperature=1.0)
+    expected = expected_accepted(chain, logits, sampling)
+    counts = [len(accept(chain, logits, sampling, g)[0]) for _ in range(20000)]
+    assert abs(sum(counts) / len(counts) - expected) < 0.02
+    assert chain.prefix(2).proposal[0].shape == (2, 4)

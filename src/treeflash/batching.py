@@ -193,6 +193,8 @@ class BatchEngine:
                           GenerationResult(seq.emitted, prefill_s=now(self.target.device) - t0),
                           on_token, should_stop)
         self.batch.add()
+        if hasattr(self.batch.lanes[-1], "follow"):  # a drafter that samples its drafts: at this request's sampling
+            self.batch.lanes[-1].follow(sampling, generator)
         self.requests.append(request)
         if on_token:
             on_token(first)

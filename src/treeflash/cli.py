@@ -111,7 +111,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree/tfm "
-                   "(default: the one shipped for the target)")
+                   "(default: the one shipped for the target), or a DFlash2 folder for dflash2 / dflash2-tree (none ships)")
     p.add_argument("--weaver", type=_paths if weavers else str, default=None,
                    help="Weaver folder for tfm (written by `treeflash train weaver`; default: the one shipped for the "
                    "target)" + ("; a list A,B compares checkpoints: every tfm variant once per Weaver, named "
@@ -429,7 +429,7 @@ def _choose_method(args) -> None:
     """--method left out: the fastest method available for the target (see the model cards' benchmarks)."""
     if args.method is None:
         available = available_methods(args.target, args.drafter)
-        args.method = next(m for m in ("treeflash", "ddtree", "pld") if m in available)
+        args.method = next(m for m in ("treeflash", "ddtree", "dflash2-tree", "pld") if m in available)
     if args.method == "tfm":
         _require_weaver(args)
 
@@ -449,8 +449,11 @@ def available_methods(target: str, drafter: str | None, weaver: str | None = Non
 
     from .drafters.dflash import shipped_drafter
     from .drafters.tfm import default_weaver_path
+    from .models.dflash2 import is_dflash2
 
     methods = ["ar", "pld"]
+    if drafter and is_dflash2(drafter):  # its own methods only: the DFlash ones cannot read its layers
+        return methods + ["dflash2", "dflash2-tree"]
     if drafter or shipped_drafter(target, "dflash"):
         methods += ["dflash", "ddtree"]
     if drafter:

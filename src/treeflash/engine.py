@@ -144,6 +144,8 @@ def generate(
     else:
         plan = policy_for(target, drafter, max_budget)
     drafter.reset()
+    if hasattr(drafter, "follow"):  # a drafter that samples its drafts (dflash2) does so at this sampling
+        drafter.follow(sampling, generator)
 
     t0 = _now(target.device)
     out = target.prefill(prompt, taps=drafter.taps)

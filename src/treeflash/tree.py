@@ -24,6 +24,10 @@ class DraftTree:
     # the drafter's probability of each node given its parent (root: 1.0), when it has one: cost-aware
     # speculation calibrates these against the target's acceptances and keeps the prefix that pays
     probs: tuple[float, ...] | None = field(default=None, compare=False)
+    # a chain whose drafts were sampled: (candidate ids [size, K], their probabilities q [size, K]), row i - 1 the
+    # distribution node i was drawn from (given its parent). Acceptance then runs rejection sampling against q
+    # (verify.accept), which needs exactly these numbers; None: a deterministic tree
+    proposal: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False)
     depths: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +53,10 @@ class DraftTree:
             seen.add((p, tokens[i]))
             depths.append(depths[p] + 1)
         object.__setattr__(self, "depths", tuple(depths))
+        if self.proposal is not None:
+            ids, q = self.proposal
+            if not self.is_chain or ids.shape != q.shape or len(ids) != len(tokens) - 1:
+                raise TreeError("a proposal is one row of (ids, q) per node of a chain")
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -57,9 +65,10 @@ class DraftTree:
         return cls(tuple(tokens), tuple(parents), None if probs is None else tuple(float(p) for p in probs))
 
     @classmethod
-    def chain(cls, root: int, drafts: Sequence[int] = (), probs: Sequence[float] | None = None) -> "DraftTree":
+    def chain(cls, root: int, drafts: Sequence[int] = (), probs: Sequence[float] | None = None,
+              proposal: tuple[torch.Tensor, torch.Tensor] | None = None) -> "DraftTree":
         tokens = (root, *drafts)
-        return cls(tokens, tuple(range(-1, len(tokens) - 1)), None if probs is None else (1.0, *probs))
+        return cls(tokens, tuple(range(-1, len(tokens) - 1)), None if probs is None else (1.0, *probs), proposal)
 
     @classmethod
     def from_paths(cls, root: int, paths: Iterable[Sequence[int]], budget: int | None = None) -> "DraftTree":
@@ -83,7 +92,8 @@ class DraftTree:
         """The first `size` draft nodes (with the root): a tree, since parents come before their children.
         Builders emit nodes best first, so this is the tree a smaller budget would have given (or close to it)."""
         n = size + 1
-        return DraftTree(self.tokens[:n], self.parents[:n], None if self.probs is None else self.probs[:n])
+        proposal = None if self.proposal is None else tuple(x[:size] for x in self.proposal)
+        return DraftTree(self.tokens[:n], self.parents[:n], None if self.probs is None else self.probs[:n], proposal)
 
     # ---- views --------------------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -3,6 +3,11 @@
 The rule (DESIGN section 7) works for every deterministic tree: at each accepted node draw y from the target's
 processed distribution there (argmax at T = 0); if a child carries y, descend into it; otherwise y is the bonus
 token and the round ends. Every emitted token is then an exact target sample, whatever the drafter proposed.
+
+A chain whose drafts were sampled from a drafter distribution q (`DraftTree.proposal`, DFlash2 at T > 0) is accepted
+by speculative sampling instead: node x with probability min(1, p(x) / q(x)), and at the first rejection the bonus
+is drawn from norm(max(0, p - q)); exact too, and it accepts more than the deterministic rule would (min(p, q)
+summed over x instead of p(x) q(x)).
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ def accept(
     `logits` [n, V] are the target's logits at every node. One choice is drawn per node up front (one batched
     call); only those on the walked path are used, and each is an independent draw, so the result is exact.
     """
+    if tree.proposal is not None and not sampling.greedy:
+        return _accept_sampled_chain(tree, logits, sampling, generator)
     choices = sampling.choose(logits, generator).tolist()
     children = tree.children()
     path = [0]
@@ -73,12 +80,44 @@ def accept(
     return path, choices[path[-1]]
 
 
+def _chain_probs(tree: DraftTree, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(x) and q(x) [size] of every draft x of a sampled chain, under the target's processed distribution at its
+    parent (probs [n, V]) and under the proposal it was drawn from."""
+    ids, q = (x.to(probs.device) for x in tree.proposal)
+    own = torch.tensor(tree.tokens[1:], dtype=torch.long, device=probs.device)
+    return probs[:-1].gather(1, own[:, None])[:, 0], (q.float() * (ids == own[:, None])).sum(-1)
+
+
+def _accept_sampled_chain(tree: DraftTree, logits: torch.Tensor, sampling: Sampling,
+                          generator: torch.Generator | None) -> tuple[list[int], int]:
+    probs = sampling.probs(logits)  # [n, V]
+    px, qx = _chain_probs(tree, probs)
+    u = torch.rand(len(px), generator=generator, device=probs.device)  # one uniform per draft, up front
+    rejected = (u * qx >= px).nonzero()  # u < p / q accepts: probability min(1, p / q)
+    if len(rejected) == 0:
+        return list(range(len(tree))), int(torch.multinomial(probs[-1], 1, generator=generator))
+    i = int(rejected[0])  # draft i + 1 rejected, at node i
+    ids, q = (x.to(probs.device) for x in tree.proposal)
+    return list(range(i + 1)), int(torch.multinomial(residual(probs[i], ids[i], q[i]), 1, generator=generator))
+
+
+def residual(p: torch.Tensor, ids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) [V], where to draw after a rejection; q [K] on the tokens `ids` [K]."""
+    r = p.scatter_add(0, ids, -q.float()).clamp_min(0)
+    total = r.sum()
+    return r / total if total > 0 else p  # p == q: a rejection has probability 0
+
+
 def expected_accepted(tree: DraftTree, logits: torch.Tensor, sampling: Sampling) -> float:
     """E[tokens a round commits | tree]: the bonus token plus, for every draft node, the probability that the
     target's choices walk down to it (the product of its processed probabilities along the path).
 
     At T = 0 this is the accepted count itself; at T > 0 it has the same mean as the sampled count without its
-    acceptance noise, so `bench` can compare methods at T > 0 on fewer prompts."""
+    acceptance noise, so `bench` can compare methods at T > 0 on fewer prompts. A sampled chain (a proposal) at
+    T > 0: the bonus plus the products of min(1, p / q) along it."""
+    if tree.proposal is not None and not sampling.greedy:
+        px, qx = _chain_probs(tree, sampling.probs(logits))
+        return 1.0 + float(torch.cumprod((px / qx).clamp(max=1), 0).sum())
     parents = sorted(set(tree.parents[1:]))  # only their distributions are needed
     row = {p: r for r, p in enumerate(parents)}
     rows = torch.tensor([row[p] for p in tree.parents[1:]], dtype=torch.long, device=logits.device)

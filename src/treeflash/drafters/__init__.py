@@ -5,17 +5,19 @@ from __future__ import annotations
 from .ar import AutoregressiveDrafter
 from .base import Drafter
 from .dflash import BlockDrafter, load_block_drafter
+from .dflash2 import DFlash2BlockDrafter, load_dflash2_drafter
 from .pld import PromptLookupDrafter
 from .tfm import WeaverDrafter, load_weaver_drafter
 
-METHODS = ("ar", "pld", "dflash", "ddtree", "treeflash", "tfm")
+METHODS = ("ar", "pld", "dflash", "ddtree", "treeflash", "tfm", "dflash2", "dflash2-tree")
 
 
 def make_drafter(name: str, target=None, drafter_path: str | None = None, weaver_path: str | None = None,
                  width: int = 8, draft_vocab_size: int | None = None) -> Drafter:
     """The drafter for method `name`. Block drafters read the verifying `target` and a trained drafter
     (`drafter_path`, default: the one shipped for the target), whose LM head scores `draft_vocab_size` tokens
-    (None: as its config says; 0: all); `tfm` also a Weaver (`weaver_path`) and expands `width` nodes per call."""
+    (None: as its config says; 0: all); `tfm` also a Weaver (`weaver_path`) and expands `width` nodes per call.
+    `dflash2` and `dflash2-tree` need a DFlash2 folder (`drafter_path`; none ships); it scores the whole vocabulary."""
     if name == "ar":
         return AutoregressiveDrafter()
     if name == "pld":
@@ -24,8 +26,10 @@ def make_drafter(name: str, target=None, drafter_path: str | None = None, weaver
         return load_block_drafter(name, target, drafter_path, draft_vocab_size)
     if name == "tfm":
         return load_weaver_drafter(target, drafter_path, weaver_path, width, draft_vocab_size)
+    if name in ("dflash2", "dflash2-tree"):
+        return load_dflash2_drafter(target, drafter_path, name)
     raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 
 
-__all__ = ["METHODS", "AutoregressiveDrafter", "BlockDrafter", "Drafter", "PromptLookupDrafter", "WeaverDrafter",
-           "make_drafter"]
+__all__ = ["METHODS", "AutoregressiveDrafter", "BlockDrafter", "DFlash2BlockDrafter", "Drafter", "PromptLookupDrafter",
+           "WeaverDrafter", "make_drafter"]

@@ -163,21 +163,23 @@ class CandidateSelector(nn.Module):
 
 
 def walk(cand: torch.Tensor, scores: torch.Tensor, temperature: float = 0.0,
-         generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+         generator: torch.Generator | None = None) -> tuple[list[int], list[int], torch.Tensor | None]:
     """The reference's chain through the tables: slot by slot, the previous choice picks the row. T = 0: the
-    argmax; T > 0: a sample of q_d = softmax(s_d / T) over the K candidates. Returns the tokens [D] and, at
-    T > 0, the rows q [D, K] they were drawn from (aligned with `cand`)."""
-    row, tokens, qs = 0, [], []
+    argmax; T > 0: a sample of q_d = softmax(s_d / T) over the K candidates. Returns the tokens [D], their
+    indices among each slot's candidates [D] and, at T > 0, the q rows [D, K] they were drawn from."""
+    row, tokens, picks, qs = 0, [], [], []
     for d in range(cand.shape[0]):
         s = scores[d, row]
         if temperature > 0:
             q = torch.softmax(s / temperature, dim=-1)
-            row = int(torch.multinomial(q, 1, generator=generator))
+            pick = int(torch.multinomial(q, 1, generator=generator))
             qs.append(q)
         else:
-            row = int(s.argmax())
-        tokens.append(int(cand[d, row]))
-    return tokens, torch.stack(qs) if qs else None
+            pick = int(s.argmax())
+        tokens.append(int(cand[d, pick]))
+        picks.append(pick)
+        row = pick  # the next slot's row: this choice as its parent
+    return tokens, picks, torch.stack(qs) if qs else None
 
 
 class DFlash2Drafter(nn.Module):
