@@ -13,6 +13,7 @@ from treeflash.models.dflash import ContextCache, DFlashConfig, DFlashDrafter
 from treeflash.models.dflash2 import DFlash2Config, DFlash2Drafter, is_dflash2, walk
 
 from conftest import tiny_target
+from test_cli import tiny_folder  # noqa: F401  (fixture)
 
 PARITY_ATOL, PARITY_RTOL = 1e-5, 1e-4  # fp32, two implementations of the same forward
 Q_ATOL = 1e-5  # the selector's distributions over the K candidates
@@ -462,3 +463,96 @@ def test_expected_accepted_of_a_sampled_chain():
     counts = [len(accept(chain, logits, sampling, g)[0]) for _ in range(20000)]
     assert abs(sum(counts) / len(counts) - expected) < 0.02
     assert chain.prefix(2).proposal[0].shape == (2, 4)
+
+
+# ---- training: treeflash train dflash2 -----------------------------------------------------------------------------
+
+def test_a_dflash2_drafter_from_a_dflash_one_starts_as_it():
+    """from_dflash: the convs start as the identity and the selector as plain unary scoring, so the new drafter's
+    block states are the DFlash drafter's, and its selector chain is the DFlash argmax chain."""
+    from test_dflash import tiny_drafter
+
+    target = tiny_target("llama")
+    dflash = tiny_drafter(target, block_size=6).eval()
+    ours = DFlash2Drafter.from_dflash(dflash, conv_kernel_size=2, conv_group_size=16, selector_rank=RANK,
+                                      selector_top_k=TOP_K).eval()
+    tokens = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(0))
+    taps = torch.randn(30, len(dflash.config.target_layer_ids), target.config.hidden_size)
+    anchors = torch.tensor([3, 10, 20])
+    with torch.no_grad():
+        expected, h = dflash(anchors, tokens, taps), ours(anchors, tokens, taps)
+        torch.testing.assert_close(h, expected, atol=0, rtol=0)
+        cand, scores = ours.selector_tables(int(tokens[10]), h[1])
+    assert walk(cand, scores)[0] == cand[:, 0].tolist() == dflash.logits(expected[1]).argmax(-1).tolist()
+
+
+def test_a_few_dflash2_steps_learn():
+    """dflash2_loss on one sequence: the backbone and the selector losses both fall; selector-only moves only the
+    selector (and a frozen backbone's loss is not computed)."""
+    from test_dflash import tiny_drafter
+
+    from treeflash.train.dflash import Sequence, sample_anchors, target_view
+    from treeflash.train.dflash2 import dflash2_loss
+
+    target = tiny_target("llama")
+    seq = Sequence(torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0)), prompt_len=5)
+    for selector_only in (False, True):
+        model = DFlash2Drafter.from_dflash(tiny_drafter(target, block_size=4), conv_kernel_size=2,
+                                           conv_group_size=16, selector_rank=RANK, selector_top_k=TOP_K)
+        model.attach(target.model)
+        view = target_view(target.model, seq.tokens, model.config.target_layer_ids)
+        anchors = sample_anchors(seq, 16, torch.Generator().manual_seed(0))
+        params = list((model.candidate_selector if selector_only else model).parameters())
+        model.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        optim = torch.optim.AdamW(params, lr=1e-2)
+        first = None
+        for _ in range(30):
+            loss, stats = dflash2_loss(model, seq, view, anchors, backbone=not selector_only)
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            first = first or {k: float(v) for k, v in stats.items()}
+        assert float(stats["selector_loss"]) < 0.7 * first["selector_loss"], selector_only
+        if selector_only:
+            assert "backbone_loss" not in stats
+            moved = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+            assert moved and all(k.startswith("candidate_selector.") for k in moved), sorted(moved)
+        else:
+            assert float(stats["backbone_loss"]) < 0.5 * first["backbone_loss"]
+
+
+def test_train_dflash2_cli(tmp_path, tiny_folder):  # noqa: F811
+    """`treeflash train dflash2` from a DFlash drafter trained by `train dflash`, selector-only and in full, then
+    --init: each run writes a published-format folder that the dflash2 methods decode losslessly."""
+    from test_train import train_args, write_store
+
+    from treeflash import generate
+    from treeflash.cli import main
+    from treeflash.drafters import make_drafter
+    from treeflash.target import Target
+
+    write_store(tmp_path, tiny_folder)
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "dflash", 2)) == 0
+    common = train_args(tmp_path, tiny_folder, tmp_path / "x", 2)[2:]
+    common = [a for i, a in enumerate(common) if a not in ("--layers", "--taps") and
+              common[i - 1] not in ("--layers", "--taps")]
+    backbone = str(tmp_path / "dflash" / "drafter")
+    runs = {"selector": ["--backbone", backbone, "--selector-only"], "full": ["--backbone", backbone],
+            "more": ["--init", str(tmp_path / "full" / "drafter")]}
+    for name, extra in runs.items():
+        args = ["train", "dflash2", *common, *extra, "--selector-rank", "8", "--selector-top-k", "4"]
+        args[args.index("--out") + 1] = str(tmp_path / name)
+        assert main(args) == 0, name
+        assert is_dflash2(tmp_path / name / "drafter")
+    assert main(["train", "dflash2", *common, "--selector-only"]) == 2  # nothing to freeze
+    assert main(["train", "dflash2", *common, "--init", backbone]) == 2  # not a DFlash2 drafter
+
+    target = Target.load(tiny_folder, dtype="float32")
+    prompt = target.encode_prompt("What is 2 times 2?")
+    expected = generate(target, make_drafter("ar"), prompt, 24).tokens
+    for method in ("dflash2", "dflash2-tree"):
+        drafter = make_drafter(method, target, str(tmp_path / "more" / "drafter"))
+        assert generate(target, drafter, prompt, 24, budget=8).tokens == expected, method

@@ -266,13 +266,16 @@ def build_parser() -> Parser:
     tr = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True,
                                                                        parser_class=Parser)
     td = tr.add_parser("dflash", help="train a DFlash block drafter on regenerated data (torchrun for DDP)")
-    td.add_argument("--layers", type=_positive_int, default=3, help="drafter decoder layers (3)")
-    td.add_argument("--taps", type=_positive_int, default=5, help="target layers tapped for context (5)")
-    td.add_argument("--intermediate-size", type=_positive_int, default=None, help="MLP width (the target's)")
-    td.add_argument("--block-size", type=_positive_int, default=16)
-    td.add_argument("--mask-token", default=None, metavar="ID|TOKEN",
-                    help="the token that fills the drafted positions of a block: an id or the token's text (default: "
-                    "the tokenizer's mask token, else a spare special token; SmolLM2: <empty_output>, 16)")
+    tq = tr.add_parser("dflash2", help="train a DFlash2 drafter (convs + candidate selector), from scratch, from a "
+                       "DFlash drafter, or its selector alone on a frozen backbone (torchrun for DDP)")
+    for t in (td, tq):  # a fresh drafter's sizes
+        t.add_argument("--layers", type=_positive_int, default=3, help="drafter decoder layers (3)")
+        t.add_argument("--taps", type=_positive_int, default=5, help="target layers tapped for context (5)")
+        t.add_argument("--intermediate-size", type=_positive_int, default=None, help="MLP width (the target's)")
+        t.add_argument("--block-size", type=_positive_int, default=16)
+        t.add_argument("--mask-token", default=None, metavar="ID|TOKEN",
+                       help="the token that fills the drafted positions of a block: an id or the token's text (default: "
+                       "the tokenizer's mask token, else a spare special token; SmolLM2: <empty_output>, 16)")
     td.add_argument("--init-layers", default="random", choices=["random", "target"],
                     help="a fresh drafter's layers: random (default), or copies of the target's last layers with the "
                     "deepest tap as context")
@@ -294,12 +297,23 @@ def build_parser() -> Parser:
     tw.add_argument("--heads", type=_positive_int, default=None, help="attention heads (the drafter's)")
     tw.add_argument("--top-k", type=_positive_int, default=512, help="candidates per depth, K (512)")
     tw.add_argument("--init", default=None, help="a trained Weaver folder to go on training (its sizes are kept)")
+    tq.add_argument("--backbone", default=None, help="a DFlash drafter folder to start from: its weights, the convs "
+                    "the identity, a fresh selector")
+    tq.add_argument("--init", default=None, help="a DFlash2 drafter folder to go on training (its sizes are kept)")
+    tq.add_argument("--selector-only", action="store_true", help="train the candidate selector alone, the backbone "
+                    "frozen (needs --backbone or --init)")
+    tq.add_argument("--selector-rank", type=_positive_int, default=32,
+                    help="r of the selector's two [V, r] codebooks (32: 6 MB in bf16 for SmolLM2's vocabulary)")
+    tq.add_argument("--selector-top-k", type=_positive_int, default=16, help="candidates per slot, K (16)")
+    tq.add_argument("--conv-kernel-size", type=_positive_int, default=2, help="Kc, taps of the causal convs (2)")
+    tq.add_argument("--conv-group-size", type=_positive_int, default=16, help="channels per dynamic kernel (16)")
+    tq.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector's loss (1)")
     for t in (td, tt):
         t.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
         t.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                        help="train on the N tokens most frequent in the answers, the FR-Spec rows the drafter scores "
                        "at inference (0: the whole vocabulary; default: a trained drafter's own, else 4096)")
-    for t, out in ((td, "runs/dflash"), (tt, "runs/treeflash"), (tw, "runs/weaver")):
+    for t, out in ((td, "runs/dflash"), (tq, "runs/dflash2"), (tt, "runs/treeflash"), (tw, "runs/weaver")):
         t.add_argument("--data", default=DEFAULT_STORE,
                        help=f"answer store written by `treeflash data regen` ({DEFAULT_STORE}), or several, commas")
         t.add_argument("--data-dir", default=None, help="where the prompt sets are, read back by id "
@@ -690,9 +704,10 @@ def cmd_export(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from .train import dflash, weaver
+    from .train import dflash, dflash2, weaver
 
-    print(json.dumps((weaver if args.train_command == "weaver" else dflash).run(args)))
+    trainer = {"weaver": weaver, "dflash2": dflash2}.get(args.train_command, dflash)
+    print(json.dumps(trainer.run(args)))
 
 
 def main(argv: list[str] | None = None) -> int:

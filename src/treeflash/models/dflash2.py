@@ -21,7 +21,7 @@ Tensor names and config keys are those of the published format read by the refer
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -150,16 +150,21 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
+    def rescore(self, x: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """s(c | p) [..., P, K] = unary [..., K] + sum_r A[p]_r (P x)_r B[c]_r, for the candidates cand [..., K]
+        given each of the parents [..., P], from the normed states x [..., H]."""
+        a = F.embedding(parents, self.predecessor_codebook).float()  # [..., P, r]
+        b = F.embedding(cand, self.successor_codebook).float()  # [..., K, r]
+        ph = self.hidden_projection(x).float()  # [..., r]
+        return unary.float()[..., None, :] + torch.einsum("...pr,...r,...kr->...pk", a, ph, b)
+
     def tables(self, x: torch.Tensor, logits: torch.Tensor, root: int) -> tuple[torch.Tensor, torch.Tensor]:
         """From the normed states x [D, H] and logits [D, V] of slots 1..D after the anchor `root`: candidates
         [D, K] (most likely first) and scores [D, K, K], s[d, j, k] = s_d(cand[d, k] | parent j), the parents
         being the previous slot's candidates (for d = 0 the anchor, the same in every row)."""
         unary, cand = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)
         parents = torch.cat([torch.full_like(cand[:1], root), cand[:-1]])  # [D, K]
-        a = F.embedding(parents, self.predecessor_codebook).float()  # [D, K(parent), r]
-        b = F.embedding(cand, self.successor_codebook).float()  # [D, K(child), r]
-        ph = self.hidden_projection(x).float()  # [D, r]
-        return cand, unary[:, None, :] + torch.einsum("djr,dr,dkr->djk", a, ph, b)
+        return cand, self.rescore(x, unary, cand, parents)
 
 
 def walk(cand: torch.Tensor, scores: torch.Tensor, temperature: float = 0.0,
@@ -210,6 +215,7 @@ class DFlash2Drafter(nn.Module):
     # ---- forward pieces (DFlashDrafter's where the arithmetic is the same, see there) --------------------------
     fuse = DFlashDrafter.fuse
     context_kv = DFlashDrafter.context_kv
+    forward = DFlashDrafter.forward  # training: the block states of many anchors over one sequence's context
 
     def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [N * γ, H] of N blocks [token, mask x (γ-1)]: the target's raw embedding rows (as the
@@ -257,6 +263,24 @@ class DFlash2Drafter(nn.Module):
         """Candidates [γ-1, K] and conditional scores s_d(c | p) [γ-1, K, K] (CandidateSelector.tables) from the
         pre-norm states h [γ-1, H] of the block after `root`."""
         return self.candidate_selector.tables(self.norm(h), self.logits(h), root)
+
+    @classmethod
+    def from_dflash(cls, drafter: DFlashDrafter, **own) -> "DFlash2Drafter":
+        """A DFlash2 drafter that starts as the DFlash drafter `drafter` (its backbone's weights; the convs the
+        identity, the selector plain unary scoring); `own`: DFlash2Config's own fields (conv_kernel_size, ...).
+        It scores the whole vocabulary, as the published format does (no FR-Spec rows)."""
+        if drafter.ar_layer is not None or drafter.config.mask_token_id is None:
+            raise DrafterError("a DFlash2 drafter starts from a plain DFlash drafter with a mask token (no AR layer)")
+        backbone = replace(drafter.config, draft_vocab_size=None, ar_layer=None, extra={})
+        model = cls(DFlash2Config(backbone, **own)).to(drafter.fc.weight.device)
+        mine = model.state_dict()
+        state = {k: v for k, v in drafter.state_dict().items() if k in mine}
+        fresh = set(mine) - set(state)
+        assert all(k.startswith("candidate_selector.") or "_conv." in k for k in fresh), sorted(fresh)[:4]
+        model.load_state_dict(state, strict=False)
+        if drafter._target:
+            model._target = drafter._target
+        return model
 
     # ---- save / load -------------------------------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
