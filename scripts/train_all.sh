@@ -10,7 +10,8 @@
 #    dev set is never answered nor trained on. Commit data/answers as it grows: it is what costs the CPU hours.
 # 2. DFlash, stage by stage: stage 1 goes on from the shipped drafter (bf16 weights, a fresh AdamW, 4 % warm-up
 #    then cosine to 0 over the stage, peak --lr $LR) when $RUNS has no stage yet; stage k from stage k-1's end.
-#    A stage is $STAGE_STEPS steps of 4 sequences, 512 anchors each (about 2 CPU hours on 2 cores).
+#    A stage is $STAGE_STEPS steps of 4 sequences, 512 anchors each (about 11,000 drafted positions and 9 s a
+#    step on 2 cores, AVX512-BF16: 1,500 steps are 16 M positions in about 3.7 hours).
 # 3. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the stage's drafter and of the shipped one, with `paired`
 #    (scripts/ship_if_better.py prints the table for the model card);
 # 4. where the stage's drafter beats the shipped one on every domain: the TreeFlash AR layer and the Weaver on it
@@ -28,16 +29,19 @@ STAGE_STEPS=${STAGE_STEPS:-1500}  # 4 sequences a step, about 2,500 drafted posi
 LR=${LR:-3e-4}                    # the shipped drafter is trained already: half the fresh peak
 ADAPTER_STEPS=${ADAPTER_STEPS:-600}
 SHIP=${SHIP:-0}
+ANSWERS=${ANSWERS:-1}             # 0: train on data/answers as it stands (skip step 1's regen)
 SHIPPED=src/treeflash/checkpoints
 REGEN=(--batch-size 48 --max-new-tokens 256 --dtype bfloat16)
 TRAIN=(--batch-size 4 --max-len 512 --save-every 50 --keep-every 500 --log-every 10)
 
-echo "== 1. answers into data/answers"
-$TF data regen "${REGEN[@]}"
-third=$($PY -c "from treeflash.eval.datasets import default_data_dir as d
+if [ "$ANSWERS" = 1 ]; then
+    echo "== 1. answers into data/answers"
+    $TF data regen "${REGEN[@]}"
+    third=$($PY -c "from treeflash.eval.datasets import default_data_dir as d
 from treeflash.train.data import SOURCES, training_prompts as t; print(len(t(d(), list(SOURCES))) // 3)")
-# --limit over several sources takes prompts evenly across them: a third of each
-$TF data regen --temperature 1 --limit "$third" --seed 1 "${REGEN[@]}"
+    # --limit over several sources takes prompts evenly across them: a third of each
+    $TF data regen --temperature 1 --limit "$third" --seed 1 "${REGEN[@]}"
+fi
 $TF data check
 
 paired() {  # paired OUT ARGS...: skipped when OUT exists, so that a rerun picks up where it stopped

@@ -110,3 +110,66 @@ def test_expected_accepted_is_the_mean_of_accept(sampling):
     counts = [len(accept(tree, logits, sampling, g)[0]) for _ in range(1 if sampling.greedy else 20000)]
     assert abs(sum(counts) / len(counts) - expected) < (1e-6 if sampling.greedy else 0.02)
     assert 1.0 <= expected <= 3.0
+
+
+# ---- Sampling against transformers' own logits processors --------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+PROCESSOR_TOL = dict(atol=1e-6, rtol=1e-5)  # fp32 softmaxes of the same masked logits
+
+
+def transformers_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution `generate(do_sample=True)` samples from: its warpers in its own order (temperature, top-k,
+    top-p), then a softmax."""
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)])
+    if sampling.top_k:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    return torch.softmax(warpers(None, logits[None].clone())[0], dim=-1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.integers(-6, 6), min_size=2, max_size=12),  # small integers: many exact ties
+       scale=st.sampled_from([0.25, 0.5, 1.0, 2.0]),
+       temperature=st.sampled_from([0.3, 0.7, 1.0, 1.5]),
+       top_k=st.integers(0, 12), top_p=st.sampled_from([0.1, 0.25, 0.5, 0.8, 0.9, 0.95, 1.0]))
+def test_sampling_matches_transformers_processors(values, scale, temperature, top_k, top_p):
+    """Temperature, top-k, top-p and their combinations give transformers' distribution. Where tied logits straddle
+    a cut, both keep the same number of tokens and the same mass, and differ at most in which of the tied tokens
+    they keep (each breaks ties by its own sort order)."""
+    logits = scale * torch.tensor(values, dtype=torch.float32)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    ours, theirs = sampling.probs(logits), transformers_probs(logits, sampling)
+    if torch.allclose(ours, theirs, **PROCESSOR_TOL):
+        return
+    differ = (ours > 0) != (theirs > 0)
+    assert (ours > 0).sum() == (theirs > 0).sum()
+    assert logits[differ].unique().numel() == 1, "only tokens tied at the cut may differ"
+    torch.testing.assert_close(ours.sort().values, theirs.sort().values, **PROCESSOR_TOL)
+
+
+@pytest.mark.parametrize("broken", ["top_p_after_renormalising", "top_k_off_by_one"])
+def test_a_broken_processor_fails_the_comparison(broken, monkeypatch):
+    """The control: Sampling with a wrong top-p (the crossing token dropped) or a wrong top-k (one token too few)
+    disagrees with transformers on a plain case, so the comparison above can fail."""
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.0, -1.0])
+    sampling = Sampling(temperature=1.0, top_k=4 if broken == "top_k_off_by_one" else 0,
+                        top_p=0.8 if broken == "top_p_after_renormalising" else 1.0)
+    real = Sampling.probs
+
+    def wrong(self, x):
+        if broken == "top_k_off_by_one":
+            return real(Sampling(self.temperature, self.top_k - 1, self.top_p), x)
+        probs = torch.softmax(x.float() / self.temperature, -1)
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) < self.top_p  # drops the token that crosses top_p
+        return torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep) / (sorted_probs * keep).sum()
+
+    monkeypatch.setattr(Sampling, "probs", wrong)
+    assert not torch.allclose(sampling.probs(logits), transformers_probs(logits, sampling), **PROCESSOR_TOL)
