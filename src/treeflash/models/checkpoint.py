@@ -4,6 +4,7 @@ digest by which an adapter checks that it sits on the backbone it was trained on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -33,8 +34,51 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no weights (*.safetensors) in {folder}")
     state = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as err:  # safetensors' own error type: truncated, corrupted, not safetensors at all
+            raise DrafterError(f"{f} is not a readable safetensors file (truncated or corrupted? {err})") from None
     return state
+
+
+def read_config(folder: str | Path, what: str = "drafter") -> dict:
+    """The folder's config.json as a dict; a missing file, or one that is not a JSON object, is a one-line error."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {what} at {folder} (config.json missing)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DrafterError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise DrafterError(f"{path} holds no JSON object")
+    return raw
+
+
+def parse_config(build, raw: dict, folder: str | Path):
+    """build(raw): a config dataclass; a missing field, or one of the wrong type (an int field, nested configs
+    included, that holds no int), is a one-line error naming the file."""
+    where = Path(folder) / "config.json"
+    try:
+        config = build(raw)
+    except (KeyError, TypeError, ValueError) as err:
+        if isinstance(err, DrafterError):
+            raise DrafterError(f"{where}: {err}") from None
+        kind = "missing field" if isinstance(err, KeyError) else "wrong field"
+        raise DrafterError(f"{where}: {kind} ({err})") from None
+    _check_types(config, where)
+    return config
+
+
+def _check_types(config, where: Path) -> None:
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_types(value, where)
+        elif f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
+            raise DrafterError(f"{where}: wrong field ({f.name} must be an integer, got {value!r})")
+        elif f.type in ("float", float) and not isinstance(value, (int, float)):
+            raise DrafterError(f"{where}: wrong field ({f.name} must be a number, got {value!r})")
 
 
 def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

@@ -21,7 +21,8 @@ from torch import nn
 
 from . import packed
 from .blocks import BlocksOverContext, Layer, RMSNorm
-from .checkpoint import DrafterError, load_strict, read_weights, save_checkpoint, weights_digest
+from .checkpoint import (DrafterError, load_strict, parse_config, read_config, read_weights, save_checkpoint,
+                         weights_digest)
 
 
 def tap_layers(num_target_layers: int, n: int) -> list[int]:
@@ -404,13 +405,11 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
         folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
-        raw = json.loads((folder / "config.json").read_text())
+        raw = read_config(folder)
         backbone = (raw.get("treeflash_config") or {}).get("backbone")
         if backbone is not None:
             return cls._from_adapter(folder, raw, dtype)
-        model = cls(DFlashConfig.from_json(raw))
+        model = cls(parse_config(DFlashConfig.from_json, raw, folder))
         if model.config.mask_token_id is None:
             _warn_learned_mask(folder)
         state = read_weights(folder)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import MLP, Attention, RMSNorm
-from .checkpoint import DrafterError, load_strict, read_weights, save_checkpoint
+from .checkpoint import DrafterError, load_strict, parse_config, read_config, read_weights, save_checkpoint
 from .dflash import ContextCache, DFlashConfig, DFlashDrafter
 
 ARCHITECTURE = "DFlash2DraftModel"
@@ -290,9 +290,7 @@ class DFlash2Drafter(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DFlash2Drafter":
         folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
-        model = cls(DFlash2Config.from_json(json.loads((folder / "config.json").read_text())))
+        model = cls(parse_config(DFlash2Config.from_json, read_config(folder), folder))
         state = read_weights(folder)
         # the target's embedding / head, if stored, are not used; codebooks saved as nn.Embedding carry `.weight`
         state = {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v
@@ -303,5 +301,6 @@ class DFlash2Drafter(nn.Module):
 
 def is_dflash2(folder: str | Path) -> bool:
     """Whether the drafter folder holds a DFlash2 drafter (by its config's architectures)."""
-    config = Path(folder) / "config.json"
-    return config.is_file() and ARCHITECTURE in (json.loads(config.read_text()).get("architectures") or [])
+    if not (Path(folder) / "config.json").is_file():
+        return False
+    return ARCHITECTURE in (read_config(folder).get("architectures") or [])  # unreadable: its one-line error

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import RMSNorm, rope
-from .checkpoint import DrafterError, load_strict, read_weights, save_checkpoint, weights_digest
+from .checkpoint import (DrafterError, load_strict, parse_config, read_config, read_weights, save_checkpoint,
+                         weights_digest)
 from .dflash import DFlashConfig, DFlashDrafter
 
 
@@ -210,12 +211,10 @@ class Weaver(nn.Module):
                         backbone: str | Path | None = None) -> "Weaver":
         """With `backbone` (the DFlash drafter folder it will run on), refuse a drafter it was not trained on."""
         folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"no Weaver at {folder} (config.json missing)")
-        config = json.loads((folder / "config.json").read_text())
+        config = read_config(folder, "Weaver")
         if config.pop("architectures", None) != ["Weaver"]:
             raise DrafterError(f"{folder} holds no Weaver (a DFlash drafter? pass it as --drafter)")
-        model = cls(WeaverConfig(**config))
+        model = cls(parse_config(lambda raw: WeaverConfig(**raw), config, folder))
         expected = model.config.backbone_sha256
         if backbone is not None and expected and expected != weights_digest(backbone):
             raise DrafterError(f"the Weaver in {folder} was trained on another DFlash drafter than {backbone}: train "
