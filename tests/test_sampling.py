@@ -5,6 +5,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import treeflash.engine
@@ -113,9 +115,6 @@ def test_expected_accepted_is_the_mean_of_accept(sampling):
 
 
 # ---- Sampling against transformers' own logits processors --------------------------------------------------------
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 PROCESSOR_TOL = dict(atol=1e-6, rtol=1e-5)  # fp32 softmaxes of the same masked logits
 

@@ -29,10 +29,10 @@ from .dflash import BlockDrafter, drafting_dtype
 class DFlash2BlockDrafter(BlockDrafter):
     """BlockDrafter's context cache and forwards (single and batched) over a DFlash2 model; its own tree."""
 
-    def __init__(self, model: DFlash2Drafter, method: str = "dflash2", temperature: float = 0.0):
+    def __init__(self, model: DFlash2Drafter, method: str = "dflash2"):
         if method not in ("dflash2", "dflash2-tree"):
             raise ValueError(f"a DFlash2 drafter decodes dflash2 or dflash2-tree, not {method!r}")
-        self.temperature = temperature  # of the chain's proposal q; 0: the argmax chain
+        self.temperature = 0.0  # of the chain's proposal q (set by `follow`); 0: the argmax chain
         self.generator: torch.Generator | None = None  # the drafts' randomness (None: torch's global one)
         super().__init__(model, "dflash")
         self.name = method
