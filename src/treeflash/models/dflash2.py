@@ -30,7 +30,7 @@ from torch import nn
 
 from .blocks import MLP, Attention, RMSNorm
 from .checkpoint import DrafterError, load_strict, parse_config, read_config, read_weights, save_checkpoint
-from .dflash import ContextCache, DFlashConfig, DFlashDrafter
+from .dflash import DFlashConfig, DFlashDrafter
 
 ARCHITECTURE = "DFlash2DraftModel"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -225,24 +225,9 @@ class DFlash2Drafter(nn.Module):
         tokens[:, 0] = first_tokens
         return F.embedding(tokens, self.embed.weight).flatten(0, 1) * self.dflash2.input_embedding_scale
 
-    def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
-        """Final block states before the final norm; `ctx_kv` per layer (k, v) of the context, or a ContextCache."""
-        h = x.to(self.fc.weight.dtype)
-        if isinstance(ctx_kv, ContextCache):
-            ctx_kv.reserve(len(ctx_kv) + len(x))
-            for layer, k, v in zip(self.layers, ctx_kv.k, ctx_kv.v):
-                h = layer(h, positions, k, v, mask, len(ctx_kv))
-            return h
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            h = layer(h, positions, k, v, mask)
-        return h
-
-    @torch.no_grad()
-    def draft_states(self, root: int, position: int, ctx_kv) -> torch.Tensor:
-        """Pre-norm states [γ - 1, H] of the drafted slots of the block after `root` (at `position`)."""
-        device = self.fc.weight.device
-        x = self.block_inputs(torch.tensor([root], device=device))
-        return self.hidden(x, position + torch.arange(self.config.block_size, device=device), ctx_kv, None)[1:]
+    # the layers over the block, and the inference forward: DFlashDrafter's code over this model's layers
+    hidden = DFlashDrafter.hidden
+    draft_states = DFlashDrafter.draft_states  # no_grad already
 
     @torch.no_grad()
     def draft_states_batch(self, roots: list[int], contexts: list) -> torch.Tensor:
