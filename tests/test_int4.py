@@ -82,6 +82,18 @@ def test_the_kernel_computes_every_row_on_its_own():
         assert torch.equal(w.matmul(x), rows)
 
 
+def test_fp32_activations_around_bf16_products_round_only_the_products_inputs():
+    """Under dtype auto without native bf16, the activations stay fp32 and a bf16 kernel multiplies: the product
+    of x rounded to bf16, then widened; Q8_0's two halves are summed in fp32."""
+    parts = [random_int4(64, 96, torch.bfloat16, seed=s)[0] for s in (1, 2)]
+    linear = Int4Linear(parts)
+    assert linear.kernel_dtype == torch.bfloat16
+    x = torch.randn(5, 96)
+    expected = sum(p.matmul(x.bfloat16()).float() for p in parts)
+    y = linear(x)
+    assert y.dtype == torch.float32 and torch.equal(y, expected)
+
+
 def test_fused_linears_equal_the_separate_ones_and_share_their_values():
     parts = [Int4Linear([random_int4(n, 64, torch.float32, seed=n)[0]], bias=torch.randn(n)) for n in (128, 64, 48)]
     x = torch.randn(3, 64)
@@ -137,11 +149,20 @@ def test_methods_match_ar_on_an_int4_target(seed):
 
 
 @pytest.mark.real
-def test_smollm2_keeps_its_gguf_blocks_and_stays_close_to_the_dequantised_model(smollm2):
-    """The embedded Q4_1 target on the int4 kernel (bf16, the CLI's default here) against its dequantised fp32
-    copy (the exact reference): every product is 4-bit, the logits agree within the named tolerance."""
-    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="gguf")
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto/avx2"])
+def test_smollm2_keeps_its_gguf_blocks_and_stays_close_to_the_dequantised_model(smollm2, dtype, monkeypatch):
+    """The embedded Q4_1 target on the int4 kernel against its dequantised fp32 copy (the exact reference): every
+    product is 4-bit, the logits agree within the named tolerance. With bf16 activations (the CLI's default where
+    bf16 is native), and with the fp32 activations that dtype auto keeps on CPUs without it (AVX2 only)."""
+    if dtype == "auto/avx2":
+        monkeypatch.setattr("treeflash.target.native_bf16", lambda device: False)
+        target = Target.load("smollm2-135m-instruct", dtype="auto")
+        assert target.dtype == torch.float32
+    else:
+        target = Target.load("smollm2-135m-instruct", dtype=dtype, quantize="gguf")
     assert target.weights.quantised == {"Q4_1": 210, "Q8_0": 1} and not target.weights.dense
+    assert target.weights.kernel_dtype == "bfloat16"
+    assert smollm2.weights == "dense"  # an explicit float32 stays the exact path
     assert not any(type(m) is torch.nn.Linear for m in target.model.modules())
     ids = target.encode_prompt("What is 7 times 8? Answer briefly.")
     tree = DraftTree.chain(ids[-1], [28, 29, 30])

@@ -320,7 +320,8 @@ def build_parser() -> Parser:
                        "(../shared/data, or TREEFLASH_DATA)")
         t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, {'weaver' if t is tw else 'drafter'}/ ({out})")
         t.add_argument("--target", default=DEFAULT_TARGET)
-        t.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+        t.add_argument("--target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="the target's weights (auto: bf16 where the hardware multiplies it natively, else fp32)")
         t.add_argument("--device", default=None)
         t.add_argument("--steps", type=_positive_int, default=1000)
         t.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step, all processes")
@@ -330,7 +331,8 @@ def build_parser() -> Parser:
         t.add_argument("--threads", type=_positive_int, default=None,
                        help="torch CPU threads (default: torch's; 1 leaves a core to another job)")
         t.add_argument("--max-len", type=_positive_int, default=512, help="tokens per sequence (512)")
-        t.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 (default: bf16 autocast)")
+        t.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
+                       help="fp32 (default: bf16 autocast where the hardware multiplies bf16 natively, else fp32)")
         t.add_argument("--save-every", type=_positive_int, default=100)
         t.add_argument("--log-every", type=_positive_int, default=10)
         t.add_argument("--keep-every", type=int, default=0, help="keep drafter snapshots every N steps (0: no)")
@@ -704,9 +706,14 @@ def cmd_export(args) -> None:
 
 
 def cmd_train(args) -> None:
+    import torch
+
+    from .target import native_bf16
     from .train import dflash, dflash2, weaver
 
     trainer = {"weaver": weaver, "dflash2": dflash2}.get(args.train_command, dflash)
+    if args.bf16 is None:  # emulated bf16 (AVX2-only CPUs) makes a step several times slower than fp32
+        args.bf16 = native_bf16(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(json.dumps(trainer.run(args)))
 
 

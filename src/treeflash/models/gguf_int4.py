@@ -89,14 +89,16 @@ class GGUFWeights:
     quantised: Counter = field(default_factory=Counter)
     dense: Counter = field(default_factory=Counter)
     int4_bytes: int = 0
+    kernel_dtype: str = "bfloat16"  # what the 4-bit products multiply in (the activations may be fp32 around them)
 
     def __str__(self) -> str:
         kept = ", ".join(f"{n} {k}" for k, n in sorted(self.quantised.items())) or "none"
         dense = ", ".join(f"{n} {k}" for k, n in sorted(self.dense.items())) or "none"
-        return f"int4 kernels for {kept} ({self.int4_bytes / 2**20:.1f} MiB); dense: {dense}"
+        return f"int4 kernels ({self.kernel_dtype}) for {kept} ({self.int4_bytes / 2**20:.1f} MiB); dense: {dense}"
 
     def as_dict(self) -> dict:
-        return {"quantised": dict(self.quantised), "dense": dict(self.dense), "int4_mib": self.int4_bytes / 2**20}
+        return {"quantised": dict(self.quantised), "dense": dict(self.dense), "int4_mib": self.int4_bytes / 2**20,
+                "kernel_dtype": self.kernel_dtype}
 
 
 def _row_order(processor, name: str, n: int) -> np.ndarray | None:
@@ -124,7 +126,7 @@ def install(model: nn.Module, gguf: Path | str, dtype: torch.dtype) -> GGUFWeigh
     modules = dict(model.named_modules())
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
-    report = GGUFWeights()
+    report = GGUFWeights(kernel_dtype=str(dtype).removeprefix("torch."))
     for tensor in reader.tensors:
         hf = names.get(tensor.name, "")
         owner = modules.get(hf.removesuffix(".weight"))

@@ -106,11 +106,16 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight = None if weight is None else nn.Parameter(weight.detach(), requires_grad=False)
 
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        """The dtype the kernel multiplies in (its scales'); other activations are cast to it and back."""
+        return self.parts[0].scale_zeros.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        y = self.parts[0].matmul(flat)
-        for part in self.parts[1:]:
-            y = y + part.matmul(flat)
+        flat = x.reshape(-1, x.shape[-1]).to(self.kernel_dtype)
+        y = self.parts[0].matmul(flat).to(x.dtype)
+        for part in self.parts[1:]:  # Q8_0's halves: summed in the activations' dtype
+            y = y + part.matmul(flat).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

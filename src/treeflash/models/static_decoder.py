@@ -89,7 +89,8 @@ class _Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None:
-            if self.packed is None or x.numel() < DENSE_ROWS * x.shape[-1] or torch.is_grad_enabled():
+            if self.packed is None or x.numel() < DENSE_ROWS * x.shape[-1] or x.dtype != self.int4.kernel_dtype \
+                    or torch.is_grad_enabled():
                 return self.int4(x)
             return packed_linear(x, self.packed, self.bias)
         if self.parts:
