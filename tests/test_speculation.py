@@ -1,6 +1,7 @@
 """Cost-aware speculation (--budget auto): its parts, and that whatever it decides stays lossless."""
 
 import random
+import weakref
 
 import pytest
 
@@ -103,52 +104,111 @@ def test_a_cold_first_drafting_time_does_not_lock_drafting_out():
     assert policy.draft_s == 0.005 and policy.should_draft()
 
 
-class ForcedPolicy:
-    """Patch a drafter's policy to the cheap or the dear extreme, so that both code paths run."""
+class FakeClock:
+    """Time that moves only by a cost model: a verification of n tokens takes `verify_ms(n)`, a drafting call
+    `draft_ms(verifications so far)`. The engine's and the policy's clocks read it, so that no decision of a
+    test depends on the machine's speed (the verification costs are measured on it too: the caches start empty)."""
 
-    @staticmethod
-    def install(target, drafter, per_token_ms: float) -> Policy:
-        policy = policy_for(target, drafter, 16)
-        policy.costs = BatchCosts({1: costs(per_token_ms)})
-        policy.tokens, policy.seconds = 1.0, policy.costs(1)
-        return policy
+    def __init__(self, monkeypatch, target, drafter, verify_ms, draft_ms=lambda verified: 1.0):
+        self.t, self.verified = 0.0, 0
+        for clock in ("treeflash.engine._now", "treeflash.speculation.now", "treeflash.batching.now"):
+            monkeypatch.setattr(clock, self.now)
+        monkeypatch.setattr("treeflash.speculation._costs", weakref.WeakKeyDictionary())
+        monkeypatch.setattr("treeflash.speculation._policies", weakref.WeakKeyDictionary())
+        verify, propose = target.verify, drafter.propose
+
+        def timed_verify(tree):
+            self.t += verify_ms(len(tree)) / 1e3
+            self.verified += 1
+            return verify(tree)
+
+        def timed_propose(*args, **kwargs):
+            self.t += draft_ms(self.verified) / 1e3
+            return propose(*args, **kwargs)
+        monkeypatch.setattr(target, "verify", timed_verify)
+        monkeypatch.setattr(drafter, "propose", timed_propose)
+
+    def now(self, device=None) -> float:
+        return self.t
 
 
-@pytest.mark.parametrize("per_token_ms", [0.01, 1.0, 100.0])
-def test_auto_budget_is_lossless(tiny, per_token_ms):
+NET_ATOL = 1e-5  # the policy sums in fp32, the brute force in fp64
+
+
+def test_policy_chooses_the_prefix_a_brute_force_search_picks():
+    """Policy.choose against every prefix valued from scratch: with no acceptance data yet, a node is reached
+    with the product of the drafter's probabilities along its path; the best prefix maximises
+    1 + sum of those - rate x cost(prefix + root)."""
+    rng = random.Random(0)
+    for trial in range(200):
+        n = rng.randrange(0, 12)
+        parents = [-1] + [rng.randrange(i) for i in range(1, n + 1)]
+        probs = [1.0] + [rng.random() for _ in range(n)]
+        tree = DraftTree.from_parents(list(range(n + 1)), parents, probs=probs)
+        table = {k: (rng.uniform(1, 20) + rng.uniform(0, 5) * k) / 1e3 for k in (1, 2, 4, 8, 16)}
+        policy = Policy(VerifyCosts(table), 16)
+        policy.tokens, policy.seconds = rng.uniform(1, 4), rng.uniform(0.005, 0.05)
+        reach = [1.0]
+        for i in range(1, n + 1):
+            reach.append(reach[parents[i]] * probs[i])
+        net = [1 + sum(reach[1:k + 1]) - policy.rate * policy.costs(k + 1) for k in range(n + 1)]
+        chosen = policy.choose([tree])[0].size
+        assert net[chosen] >= max(net) - NET_ATOL, trial
+
+
+def drafted_after_ar_rounds(rounds) -> int:
+    """Rounds that verified a drafted tree right after plain AR steps (the drafter's context caught up first)."""
+    return sum(r.drafted and r.tree_size > 0 and not before.drafted for before, r in zip(rounds, rounds[1:]))
+
+
+def dear_then_cheap(verified: int) -> float:
+    """Drafting ms that make the policy skip the drafter (AR steps) until 30 verifications (the measurement of
+    the costs included), then pay again: the probe after that stretch verifies a tree after the catch-up."""
+    return 1000.0 if verified < 30 else 0.1
+
+
+# (verification ms per token, drafting ms): every node pays; some do; AR stretches, then drafting again
+REGIMES = {"cheap": (0.01, lambda verified: 1.0), "middle": (1.0, lambda verified: 1.0),
+           "ar-then-drafting": (0.01, dear_then_cheap)}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_auto_budget_is_lossless(tiny, regime, monkeypatch):
     """Whatever the policy decides (full trees, prefixes, AR rounds with the drafter skipped), the tokens are AR's."""
+    per_token_ms, draft_ms = REGIMES[regime]
     vocab = tiny.config.vocab_size
     for seed in range(2):
         prompt = repetitive_prompt(random.Random(seed), vocab)
         ar = generate(tiny, make_drafter("ar"), prompt, 50).tokens
         for drafter in (make_drafter("pld"), OracleTreeDrafter(ar, len(prompt), vocab, seed=seed)):
-            ForcedPolicy.install(tiny, drafter, per_token_ms)
-            result = generate(tiny, drafter, prompt, 50, budget="auto", max_budget=16)
+            with monkeypatch.context() as patch:
+                FakeClock(patch, tiny, drafter, lambda n: 10 + per_token_ms * n, draft_ms)
+                result = generate(tiny, drafter, prompt, 50, budget="auto", max_budget=16)
             assert result.tokens == ar
-            sizes = [r.tree_size for r in result.rounds]
-            if per_token_ms == 100.0:
-                assert max(sizes[1:]) == 0 or sizes.count(0) > len(sizes) // 2  # mostly AR steps
             assert sum(r.accepted for r in result.rounds) == len(result.tokens) - 1  # τ counts committed tokens
+            if isinstance(drafter, OracleTreeDrafter) and regime != "middle":
+                assert max(r.tree_size for r in result.rounds) == 16  # whole trees pay
+            if isinstance(drafter, OracleTreeDrafter) and regime == "ar-then-drafting":
+                assert drafted_after_ar_rounds(result.rounds) >= 1
 
 
 @pytest.mark.parametrize("method", ["ddtree", "dflash"])
-def test_auto_budget_block_drafter_catches_up_after_ar_rounds(method):
+def test_auto_budget_block_drafter_catches_up_after_ar_rounds(method, monkeypatch):
     """A drafter skipped for AR rounds gets every committed position's taps at its next call: still lossless."""
     target = tiny_target("qwen3")
     drafter = BlockDrafter(tiny_drafter(target, seed=1), method)
-    policy = ForcedPolicy.install(target, drafter, 100.0)
     prompt = repetitive_prompt(random.Random(5), 96)
     ar = generate(target, make_drafter("ar"), prompt, 40).tokens
-    policy.draft_s, policy.gain = 0.001, 0.0  # drafting looks unprofitable from the start: AR rounds and probes
+    FakeClock(monkeypatch, target, drafter, lambda n: 10 + 0.01 * n, dear_then_cheap)
     result = generate(target, drafter, prompt, 40, budget="auto", max_budget=16)
     assert result.tokens == ar
-    assert sum(r.draft_s == 0 or r.tree_size == 0 for r in result.rounds) > 0
+    assert drafted_after_ar_rounds(result.rounds) >= 1
 
 
-def test_auto_budget_sampling_is_exact():
+def test_auto_budget_sampling_is_exact(monkeypatch):
     target = tiny_target("llama", seed=3, vocab_size=10, logit_scale=8)  # sharp: a biased rule shows
     drafter = FixedTreeDrafter()
-    ForcedPolicy.install(target, drafter, 1.0)
+    FakeClock(monkeypatch, target, drafter, lambda n: 10 + n)
     assert chi_square_pvalue(target, Sampling(temperature=1.0), drafter, budget="auto") > 1e-3
 
 
