@@ -182,9 +182,24 @@ def test_many_rows_run_on_the_second_layout_with_the_same_weights():
 
     linears = [Int4Linear([random_int4(n, 64, torch.float32, seed=n)[0]]) for n in (128, 64)]
     separate = [Int4Linear(list(m.parts)) for m in linears]  # the same weights, kept out of the fusion
-    projection = _Projection(linears)
+    projection = _Projection(linears, torch.float32)
     assert projection.int4 is not None and projection.packed is not None
-    x = torch.randn(DENSE_ROWS + 3, 64)
+    x = torch.randn(DENSE_ROWS[torch.float32] + 3, 64)
     expected = torch.cat([m(x) for m in separate], dim=-1)
     torch.testing.assert_close(projection(x), expected, atol=FP32_ATOL, rtol=FP32_RTOL)  # dense layout
     torch.testing.assert_close(projection(x[:2]), expected[:2], atol=FP32_ATOL, rtol=FP32_RTOL)  # int4 kernel
+
+
+def test_fp32_activations_of_a_bf16_kernel_get_an_fp32_second_layout():
+    """Without native bf16, dtype auto keeps fp32 activations around bf16 4-bit products; products of many rows
+    run on an fp32 packed copy of the kernel's weights, which skips the rounding of the inputs to bf16."""
+    from treeflash.models.static_decoder import DENSE_ROWS, _Projection
+
+    linear = Int4Linear([random_int4(64, 64, torch.bfloat16, seed=3)[0]])
+    projection = _Projection([linear], torch.float32)
+    assert projection.packed is not None and projection.packed.dtype == torch.float32
+    x = torch.randn(DENSE_ROWS[torch.float32], 64)
+    with torch.inference_mode():  # (with autograd on, every product takes the kernel)
+        exact = x @ linear.dense_weight().T  # the kernel's own weights, in fp32
+        torch.testing.assert_close(projection(x), exact, atol=FP32_ATOL, rtol=FP32_RTOL)  # dense layout
+        assert torch.equal(projection(x[:2]), linear(x[:2]))  # few rows: the kernel, inputs rounded to bf16

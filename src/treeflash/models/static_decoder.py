@@ -10,7 +10,7 @@ What makes it lean, each against what the generic HF path does:
   views of the fused matrices and the reference path keeps working; on the CPU every dense product (LM head
   included) runs on a oneDNN-prepacked copy of its weight, which costs a second copy of the weights in memory, and
   a GGUF's 4-bit tensors (`Int4Linear`) fuse and run on PyTorch's int4 kernel (held once by the fused module and
-  the HF modules), with a packed dense copy for products of DENSE_ROWS rows or more;
+  the HF modules), with a packed dense copy for products of DENSE_ROWS rows or more (by dtype);
 - q and k are rotated together (one RoPE over their heads);
 - attention is SDPA with an explicit boolean mask (none for one token); grouped-query attention folds the query
   heads of a group into the query axis instead of repeating K/V;
@@ -46,8 +46,10 @@ def unsupported_reason(model) -> str | None:
 
 # From this many rows on, a 4-bit product runs on a dense packed copy of its weights instead: the int4 kernel is
 # bound by its dequantisation above 4 rows (SmolLM2's gate|up at 1 / 4 / 6 / 17 rows: 28 / 46 / 89 / 223 us against
-# 39 / 39 / 42 / 84 us dense bf16, AVX512-BF16), so prefills and large trees pay for a second layout in memory
-DENSE_ROWS = 6
+# 39 / 39 / 42 / 84 us dense bf16, AVX512-BF16), so prefills and large trees pay for a second layout in memory.
+# Where bf16 is not native the copy is fp32 (the activations' dtype there) and pays from more rows on: all of
+# SmolLM2's products at 1 / 4 / 17 rows, int4 kernel 19 / 35 / 110 ms, packed fp32 43 / 67 / 88 ms (AVX2)
+DENSE_ROWS = {torch.bfloat16: 6, torch.float32: 12}
 
 
 class _Projection:
@@ -58,7 +60,7 @@ class _Projection:
     `pack` has a layout: bf16 on CPUs that multiply it natively, fp32); a group that mixes 4-bit and dense linears
     (Q4_K_M files keep some tensors in Q6_K), or does not fuse, runs them one by one and concatenates."""
 
-    def __init__(self, linears: list[torch.nn.Module]):
+    def __init__(self, linears: list[torch.nn.Module], dtype: torch.dtype):
         self.parts: list = []  # the group's modules when they do not fuse
         self.int4 = None
         self.packed = None
@@ -67,8 +69,10 @@ class _Projection:
                 self.int4 = Int4Linear.fuse(linears)
             if self.int4 is None:
                 self.parts = linears
-            else:  # the second layout, for products of many rows: the kernel's own weights, packed (alone)
-                self.packed = pack(self.int4.dense_weight().to(self.int4.parts[0].scale_zeros.dtype))
+            else:  # the second layout, for products of many rows: the kernel's own weights, packed (alone), in
+                # the activations' dtype (bf16, or fp32 where the kernel multiplies bf16 inputs of fp32 activations)
+                self.packed = pack(self.int4.dense_weight().to(dtype))
+                self.dense_rows = DENSE_ROWS.get(dtype, 0)
                 self.bias = self.int4.bias
             return
         has_bias = linears[0].bias is not None
@@ -89,7 +93,7 @@ class _Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None:
-            if self.packed is None or x.numel() < DENSE_ROWS * x.shape[-1] or x.dtype != self.int4.kernel_dtype \
+            if self.packed is None or x.numel() < self.dense_rows * x.shape[-1] or x.dtype != self.packed.dtype \
                     or torch.is_grad_enabled():
                 return self.int4(x)
             return packed_linear(x, self.packed, self.bias)
@@ -99,11 +103,13 @@ class _Projection:
 
 
 class _Layer:
-    def __init__(self, hf_layer):
+    def __init__(self, hf_layer, dtype: torch.dtype):
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
-        self.qkv, self.o = _Projection([attn.q_proj, attn.k_proj, attn.v_proj]), _Projection([attn.o_proj])
+        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
+        self.o = _Projection([attn.o_proj], dtype)
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
-        self.gate_up, self.down = _Projection([mlp.gate_proj, mlp.up_proj]), _Projection([mlp.down_proj])
+        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj], dtype)
+        self.down = _Projection([mlp.down_proj], dtype)
         self.in_norm, self.post_norm = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
 
 
@@ -178,9 +184,10 @@ class StaticDecoder:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
         self.max_positions = int(c.max_position_embeddings)
         inner = model.model
-        self.embed, self.final_norm, self.lm_head = inner.embed_tokens, inner.norm, _Projection([model.lm_head])
+        self.embed, self.final_norm = inner.embed_tokens, inner.norm
+        self.lm_head = _Projection([model.lm_head], model.dtype)
         self.act = ACT2FN[c.hidden_act]
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.layers = [_Layer(layer, model.dtype) for layer in inner.layers]
         self.dtype, self.device = model.dtype, model.device
         self.rotary = inner.rotary_emb
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
