@@ -7,7 +7,7 @@ import pytest
 
 from treeflash import DraftTree, Sampling, generate
 from treeflash.drafters import BlockDrafter, make_drafter
-from treeflash.speculation import BatchCosts, Calibration, Policy, VerifyCosts, policy_for
+from treeflash.speculation import Calibration, Policy, VerifyCosts
 
 from conftest import OracleTreeDrafter, tiny_target
 from test_dflash import tiny_drafter

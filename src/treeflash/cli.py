@@ -706,14 +706,12 @@ def cmd_export(args) -> None:
 
 
 def cmd_train(args) -> None:
-    import torch
-
-    from .target import native_bf16
+    from .target import default_device, native_bf16
     from .train import dflash, dflash2, weaver
 
     trainer = {"weaver": weaver, "dflash2": dflash2}.get(args.train_command, dflash)
     if args.bf16 is None:  # emulated bf16 (AVX2-only CPUs) makes a step several times slower than fp32
-        args.bf16 = native_bf16(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        args.bf16 = native_bf16(default_device(args.device))
     print(json.dumps(trainer.run(args)))
 
 

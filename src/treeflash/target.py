@@ -66,6 +66,11 @@ def native_bf16(device: torch.device | str) -> bool:
         return False
 
 
+def default_device(device: str | None = None) -> str:
+    """The device asked for, else CUDA where there is one, else the CPU."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """"auto": bf16 where the hardware multiplies it natively, else fp32."""
     if name == "auto":
@@ -185,7 +190,7 @@ class Target:
         multiply in bf16."""
         if quantize not in QUANTIZE:
             raise TargetError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE)}")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = default_device(device)
         torch_dtype = resolve_dtype(dtype, device)
         gguf = gguf_file(name_or_path)
         if quantize in ("gguf", "int4") and not int4.available(device):
@@ -203,7 +208,7 @@ class Target:
         weights: GGUFWeights | str = "dense"
         # the kernel multiplies in bf16 where the activations are bf16, and under dtype auto on CPUs without
         # native bf16 too: there the activations stay fp32 and only the 4-bit products' inputs round to bf16,
-        # about twice as fast as the dense fp32 weights (docs/results/cpu-int4)
+        # about twice as fast as the dense fp32 weights (docs/results/cpu-int4-avx2)
         kernel = torch.bfloat16 if torch_dtype == torch.bfloat16 or dtype == "auto" else torch_dtype
         if gguf is not None and (quantize == "gguf" or (
                 quantize == "auto" and kernel == torch.bfloat16 and int4.available(device))):
