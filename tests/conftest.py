@@ -50,13 +50,16 @@ class OracleTreeDrafter:
     order: that exercises acceptance deep in a tree and the K/V compaction of scattered nodes.
     """
 
-    name, taps = "oracle-tree", ()
+    name, taps, drafts = "oracle-tree", (), True
 
     def __init__(self, reference: list[int], prompt_len: int, vocab: int, seed: int = 0):
         self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab
         self.rng = random.Random(seed)
 
     def reset(self) -> None:
+        pass
+
+    def follow(self, sampling, generator=None) -> None:
         pass
 
     def propose(self, tokens, features, budget) -> DraftTree:

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 import treeflash.batching
 from treeflash import DraftTree, Sampling, generate
 from treeflash.batching import BatchEngine, BatchTarget
-from treeflash.drafters import BlockDrafter, WeaverDrafter, make_drafter
+from treeflash.drafters import block_drafter, make_drafter
 from treeflash.models.dflash import ContextCache
 from treeflash.target import TargetError
 
@@ -30,12 +30,15 @@ class Oracles:
     """OracleTreeDrafter for several prompts at once: trees holding (cut, sometimes wrong) pieces of each
     sequence's own AR continuation, behind a decoy, so accepted paths fork away from node order."""
 
-    name, taps = "oracles", ()
+    name, taps, drafts = "oracles", (), True
 
     def __init__(self, references: dict[tuple, list[int]], vocab: int, seed: int = 0):
         self.references, self.vocab, self.rng = references, vocab, random.Random(seed)
 
     def reset(self) -> None:
+        pass
+
+    def follow(self, sampling, generator=None) -> None:
         pass
 
     def propose(self, tokens, features, budget) -> DraftTree:
@@ -105,11 +108,11 @@ def drafters(target, references):
     yield make_drafter("ar")
     yield make_drafter("pld")
     yield Oracles(references, vocab)
-    yield BlockDrafter(tiny_drafter(target, seed=1), "dflash")
-    yield BlockDrafter(tiny_drafter(target, seed=1), "ddtree")
-    yield BlockDrafter(treeflash_drafter(target, seed=1), "treeflash", top_m=4)
+    yield block_drafter(tiny_drafter(target, seed=1), "dflash")
+    yield block_drafter(tiny_drafter(target, seed=1), "ddtree")
+    yield block_drafter(treeflash_drafter(target, seed=1), "treeflash", top_m=4)
     model = tiny_drafter(target, seed=1)
-    yield WeaverDrafter(model, tiny_weaver(model), width=2)
+    yield block_drafter(model, "tfm", weaver=tiny_weaver(model), width=2)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -157,7 +160,7 @@ def test_auto_budget_batched_is_lossless(monkeypatch, per_token_ms):
                         lambda *a, **k: treeflash.speculation.BatchCosts({1: costs(per_token_ms)}))
     ps = prompts(target.config.vocab_size, 4, seed=6)
     ar = [generate(target, make_drafter("ar"), p, 24).tokens for p in ps]
-    for drafter in (make_drafter("pld"), BlockDrafter(tiny_drafter(target, seed=1), "ddtree"),
+    for drafter in (make_drafter("pld"), block_drafter(tiny_drafter(target, seed=1), "ddtree"),
                     Oracles({tuple(p): a for p, a in zip(ps, ar)}, target.config.vocab_size)):
         results = BatchEngine(target, drafter, max_batch=3).run(ps, 24)
         assert [r.tokens for r in results] == ar

@@ -230,7 +230,8 @@ def test_gdn_bench_json(capsys):
 
 def test_available_methods_follow_the_drafter(tmp_path):
     from treeflash.cli import available_methods
-    from treeflash.models.dflash import DFlashConfig, DFlashDrafter
+    from treeflash.models.dflash import DFlashDrafter
+    from treeflash.models.dflash_config import DFlashConfig
 
     assert available_methods("smollm2-135m-instruct", None) == ["ar", "pld", "dflash", "ddtree", "treeflash", "tfm"]
     config = DFlashConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -8,8 +8,10 @@ import torch
 from safetensors.torch import save_file
 
 from treeflash import generate
-from treeflash.drafters import BlockDrafter, make_drafter
-from treeflash.models.dflash import ContextCache, DFlashConfig, DFlashDrafter, DrafterError, tap_layers
+from treeflash.drafters import block_drafter, make_drafter
+from treeflash.models.checkpoint import DrafterError
+from treeflash.models.dflash import ContextCache, DFlashDrafter
+from treeflash.models.dflash_config import DFlashConfig, tap_layers
 from treeflash.trees import best_first_tree, chain_tree, top_marginals
 
 from conftest import tiny_target
@@ -65,7 +67,7 @@ def test_published_layout_loads(tmp_path):
     drafter.attach(target.model)
     prompt = repetitive_prompt(random.Random(0), 96)
     ar = generate(target, make_drafter("ar"), prompt, 20).tokens
-    assert generate(target, BlockDrafter(drafter, "ddtree"), prompt, 20, budget=6).tokens == ar
+    assert generate(target, block_drafter(drafter, "ddtree"), prompt, 20, budget=6).tokens == ar
 
 
 def test_mask_token_is_a_real_token():
@@ -74,7 +76,7 @@ def test_mask_token_is_a_real_token():
 
     from transformers import AutoTokenizer
 
-    from treeflash.models.dflash import choose_mask_token
+    from treeflash.models.dflash_config import choose_mask_token
     from treeflash.target import resolve
 
     smollm2 = AutoTokenizer.from_pretrained(resolve("smollm2-135m-instruct"))
@@ -111,7 +113,7 @@ def test_a_drafter_that_does_not_fit_is_refused():
 def test_context_cache_equals_a_fresh_context():
     """Appending accepted positions round by round gives the same K/V as computing the whole context at once."""
     target = tiny_target("llama")
-    drafter = BlockDrafter(tiny_drafter(target), "dflash")
+    drafter = block_drafter(tiny_drafter(target), "dflash")
     feats = torch.randn(12, 2, 64)
     for a, b in ((0, 5), (5, 6), (6, 12)):
         drafter.observe(feats[a:b])
@@ -148,7 +150,7 @@ def test_tree_builders():
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_block_drafting_is_lossless(kind, method):
     target = tiny_target(kind)
-    drafter = BlockDrafter(tiny_drafter(target, seed=1), method)
+    drafter = block_drafter(tiny_drafter(target, seed=1), method)
     for seed in range(3):
         prompt = repetitive_prompt(random.Random(seed), 96)
         ar = generate(target, make_drafter("ar"), prompt, 40).tokens
@@ -160,7 +162,7 @@ def test_draft_vocabulary_scores_only_its_tokens(tmp_path):
     """FR-Spec: `data rank` writes the ranking, config.json's draft_vocab_size picks its prefix; the head's scores
     on those tokens are unchanged, every other token is -inf, and decoding stays lossless."""
     from treeflash.cli import main
-    from treeflash.drafters.dflash import load_block_drafter
+    from treeflash.drafters.load import load_block_drafter
     from treeflash.train.store import AnswerStore
 
     target = tiny_target("llama")

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from treeflash.models.dflash import ContextCache, DFlashConfig, DFlashDrafter
+from treeflash.models.dflash import ContextCache, DFlashDrafter
+from treeflash.models.dflash_config import DFlashConfig
 from treeflash.models.dflash2 import DFlash2Config, DFlash2Drafter, is_dflash2, walk
-
 from conftest import tiny_target
 from test_cli import tiny_folder  # noqa: F401  (fixture)
 
@@ -392,6 +392,23 @@ def test_dflash2_tree_sampling_is_exact(peaky_dflash2):
 
     target, _, drafter = peaky_dflash2
     assert chi_square_pvalue(target, Sampling(temperature=1.0), drafter) > 1e-3
+
+
+def test_dflash2_batched_sampling_is_exact(peaky_dflash2, monkeypatch):
+    """T > 0 in a batch: every lane drafts at its own request's sampling from its own sequence's generator (one
+    builder shared by the lanes); the emitted tokens are exact samples by test_batching's chi-square (whose
+    failing control is test_batching's biased rule), and the rejection path ran."""
+    import treeflash.verify
+    from test_batching import batched_pvalue
+
+    from treeflash import Sampling
+
+    target, drafter, _ = peaky_dflash2
+    calls = []
+    real = treeflash.verify.residual
+    monkeypatch.setattr(treeflash.verify, "residual", lambda *a: calls.append(1) or real(*a))
+    assert batched_pvalue(target, Sampling(temperature=1.0), drafter) > 1e-3
+    assert len(calls) > 500
 
 
 def test_dflash2_without_the_residual_fails_the_same_test(peaky_dflash2, monkeypatch):

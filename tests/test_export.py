@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from treeflash.cli import main
-from treeflash.models.dflash import DFlashConfig, DFlashDrafter
-
+from treeflash.models.dflash import DFlashDrafter
+from treeflash.models.dflash_config import DFlashConfig
 from test_cli import tiny_folder  # noqa: F401  (fixture)
 
 ATOL, RTOL = 1e-5, 1e-4  # fp32, two implementations of the same forward
@@ -87,7 +87,7 @@ def test_the_reference_implementation_loads_an_export(tmp_path, tiny_folder):  #
 def test_the_shipped_drafters_export(tmp_path):
     """The shipped SmolLM2 drafters are in the published DFlash format, so they export; their TreeFlash AR layer,
     half the MLP's width to keep the shipped weights small, stays in treeflash's own layout (said in the README)."""
-    from treeflash.drafters.dflash import shipped_drafter
+    from treeflash.drafters.load import shipped_drafter
     from treeflash.models.export import export_drafter
 
     dflash = export_drafter(shipped_drafter("smollm2-135m-instruct", "dflash"), tmp_path / "d", "smollm2-135m-instruct")

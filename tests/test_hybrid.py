@@ -149,7 +149,7 @@ def test_briefly_trained_dflash_drafter_is_lossless_on_hybrids(hybrid):
     """A DFlash drafter trained for a few steps on the hybrid target's own outputs, as chain, DDTree and (with a
     random AR layer) TreeFlash: exactly the AR tokens."""
     from test_dflash import tiny_drafter
-    from treeflash.drafters import BlockDrafter
+    from treeflash.drafters import block_drafter
     from treeflash.train.dflash import Sequence, dflash_loss, sample_anchors, target_view
 
     drafter = tiny_drafter(hybrid, seed=3)
@@ -168,7 +168,7 @@ def test_briefly_trained_dflash_drafter_is_lossless_on_hybrids(hybrid):
     ar = generate(hybrid, make_drafter("ar"), prompt, 40).tokens
     for method in ("dflash", "ddtree"):
         for budget in (1, 8):
-            assert generate(hybrid, BlockDrafter(drafter, method), prompt, 40, budget=budget).tokens == ar
+            assert generate(hybrid, block_drafter(drafter, method), prompt, 40, budget=budget).tokens == ar
     drafter.add_ar_layer("swiglu", 1)
     torch.nn.init.normal_(drafter.ar_layer.d.weight, std=0.3)
-    assert generate(hybrid, BlockDrafter(drafter, "treeflash", top_m=4), prompt, 40, budget=8).tokens == ar
+    assert generate(hybrid, block_drafter(drafter, "treeflash", top_m=4), prompt, 40, budget=8).tokens == ar

@@ -42,7 +42,7 @@ def reference(smollm2):
 def dflash2_folder(tmp_path_factory):
     """No DFlash2 drafter ships: one made from the shipped DFlash drafter (from_dflash) with a random selector, so
     that the selector changes choices and the DFlash2 methods are not the DFlash ones under another name."""
-    from treeflash.drafters.dflash import default_drafter_path
+    from treeflash.drafters.load import default_drafter_path
     from treeflash.models.dflash import DFlashDrafter
     from treeflash.models.dflash2 import DFlash2Drafter
 

@@ -46,7 +46,7 @@ def test_a_loaded_drafter_drafts_as_its_plain_model(tmp_path):
     from conftest import tiny_target
     from test_dflash import tiny_drafter
 
-    from treeflash.drafters.dflash import load_drafter_model
+    from treeflash.drafters.load import load_drafter_model
     from treeflash.models.dflash import DFlashDrafter
 
     target = tiny_target("llama")

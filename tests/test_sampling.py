@@ -22,9 +22,12 @@ VOCAB, PROMPT, SAMPLES = 10, [1, 4, 2, 7], 2000
 class FixedTreeDrafter:
     """Always the same deterministic tree: 4 children under the root, 3 under each of them."""
 
-    name, taps = "fixed-tree", ()
+    name, taps, drafts = "fixed-tree", (), True
 
     def reset(self):
+        pass
+
+    def follow(self, sampling, generator=None):
         pass
 
     def propose(self, tokens, features, budget):

@@ -6,7 +6,7 @@ import weakref
 import pytest
 
 from treeflash import DraftTree, Sampling, generate
-from treeflash.drafters import BlockDrafter, make_drafter
+from treeflash.drafters import block_drafter, make_drafter
 from treeflash.speculation import Calibration, Policy, VerifyCosts
 
 from conftest import OracleTreeDrafter, tiny_target
@@ -196,7 +196,7 @@ def test_auto_budget_is_lossless(tiny, regime, monkeypatch):
 def test_auto_budget_block_drafter_catches_up_after_ar_rounds(method, monkeypatch):
     """A drafter skipped for AR rounds gets every committed position's taps at its next call: still lossless."""
     target = tiny_target("qwen3")
-    drafter = BlockDrafter(tiny_drafter(target, seed=1), method)
+    drafter = block_drafter(tiny_drafter(target, seed=1), method)
     prompt = repetitive_prompt(random.Random(5), 96)
     ar = generate(target, make_drafter("ar"), prompt, 40).tokens
     FakeClock(monkeypatch, target, drafter, lambda n: 10 + 0.01 * n, dear_then_cheap)

@@ -3,13 +3,13 @@
 import json
 import subprocess
 import sys
-from argparse import Namespace
 
 import pytest
 import torch
 
 from treeflash.cli import main
-from treeflash.models.dflash import DFlashDrafter, DrafterError
+from treeflash.models.checkpoint import DrafterError
+from treeflash.models.dflash import DFlashDrafter
 from treeflash.train.store import AnswerStore, load_answers
 from treeflash.models.blocks import block_mask
 from treeflash.train.dflash import Sequence, dflash_loss, drafted_positions, sample_anchors, target_view
@@ -93,7 +93,6 @@ def test_blocks_over_context_equals_the_flat_reference():
 def test_the_draft_vocabulary_loss():
     """Over a draft vocabulary V' the loss is m * KL(p' || q), p' the target's distribution restricted to V' and
     renormalised, m its mass there; over the whole vocabulary, the plain forward KL."""
-    from treeflash.train.dflash import TargetView
     from treeflash.train.losses import forward_kl
 
     target = tiny_target("llama")
@@ -125,7 +124,7 @@ def test_the_draft_vocabulary_loss():
 
 
 def test_training_saves_the_draft_vocabulary_it_trained_on(tmp_path, tiny_folder):  # noqa: F811
-    from treeflash.models.dflash import RANKING_FILE
+    from treeflash.models.dflash_io import RANKING_FILE
 
     write_store(tmp_path, tiny_folder)
     out = tmp_path / "run"
@@ -134,7 +133,7 @@ def test_training_saves_the_draft_vocabulary_it_trained_on(tmp_path, tiny_folder
     ranking = json.loads((out / "drafter" / RANKING_FILE).read_text())["ranking"]
     assert config["draft_vocab_size"] == 24 and len(ranking) > 24
     drafter = DFlashDrafter.from_pretrained(out / "drafter")
-    from treeflash.models.dflash import draft_vocab
+    from treeflash.models.dflash_io import draft_vocab
 
     assert draft_vocab(drafter, out / "drafter").tolist() == ranking[:24]
     again = tmp_path / "again"  # going on from it keeps its vocabulary

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from treeflash import generate
-from treeflash.drafters import BlockDrafter, make_drafter
-from treeflash.drafters.dflash import conditional_tables
-from treeflash.models.dflash import DFlashConfig, DFlashDrafter
+from treeflash.drafters import block_drafter, make_drafter
+from treeflash.drafters.builders import conditional_tables
+from treeflash.models.dflash import DFlashDrafter
+from treeflash.models.dflash_config import DFlashConfig
 from treeflash.trees import opt_tree, tree_value
 
 from conftest import tiny_target
@@ -42,7 +43,7 @@ def treeflash_drafter(target, seed=2, prev=1):
 
 def test_ar_layer_runs_once_on_all_pairs_whatever_the_budget():
     target = tiny_target("qwen3")
-    drafter = BlockDrafter(treeflash_drafter(target), "treeflash", top_m=5)
+    drafter = block_drafter(treeflash_drafter(target), "treeflash", top_m=5)
     calls = []
     drafter.model.ar_layer.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
     prompt = repetitive_prompt(random.Random(0), 96)
@@ -60,7 +61,7 @@ def test_conditionals_depend_on_the_previous_token():
     target = tiny_target("llama")
     model = treeflash_drafter(target)
     h = torch.randn(7, 64)
-    cand, cond = conditional_tables(model, [8, 4], h, top_m=6)
+    cand, cond = conditional_tables(model, model.ar_layer, [8, 4], h, top_m=6)
     assert cand.shape == (7, 6) and cond.shape == (7, 6, 6)
     assert torch.allclose(cond[0, 0], cond[0, 5])  # depth 1: every row conditions on the root
     assert not torch.allclose(cond[3, 0], cond[3, 1])
@@ -73,7 +74,7 @@ def test_conditional_tables_against_full_vocabulary_softmax(top_n):
     the whole vocabulary (N = V) is exact; a fresh AR layer gives the marginals for every N."""
     target = tiny_target("llama")
     model, h, root = treeflash_drafter(target), torch.randn(7, 64), 4
-    cand, cond = conditional_tables(model, [8, root], h, top_m=6, top_n=top_n)
+    cand, cond = conditional_tables(model, model.ar_layer, [8, root], h, top_m=6, top_n=top_n)
     prev = torch.cat([torch.full((1, 6), root), cand[:-1]])  # [D, M]
     hx = h[:, None].expand(7, 6, 64)
     states = model.ar_layer(hx, model.norm(hx), model.embed(prev[:, :, None]))
@@ -82,7 +83,7 @@ def test_conditional_tables_against_full_vocabulary_softmax(top_n):
     if top_n == 96:
         torch.testing.assert_close(cond, exact, atol=1e-5, rtol=1e-4)
     torch.nn.init.zeros_(model.ar_layer.d.weight)  # fresh: the conditionals are the marginals
-    cand, cond = conditional_tables(model, [8, root], h, top_m=6, top_n=top_n)
+    cand, cond = conditional_tables(model, model.ar_layer, [8, root], h, top_m=6, top_n=top_n)
     marginal = torch.softmax(model.logits(h).float(), dim=-1).gather(-1, cand)
     torch.testing.assert_close(cond, marginal[:, None, :].expand(7, 6, 6), atol=1e-6, rtol=1e-5)
 
@@ -124,7 +125,7 @@ def test_opt_tree_is_optimal(seed, depth, width, budget, shared):
 @pytest.mark.parametrize("prev", [1, 2])
 def test_treeflash_is_lossless(prev):
     target = tiny_target("llama")
-    drafter = BlockDrafter(treeflash_drafter(target, prev=prev), "treeflash", top_m=4)
+    drafter = block_drafter(treeflash_drafter(target, prev=prev), "treeflash", top_m=4)
     for seed in range(3):
         prompt = repetitive_prompt(random.Random(seed), 96)
         ar = generate(target, make_drafter("ar"), prompt, 40).tokens
@@ -135,7 +136,7 @@ def test_treeflash_is_lossless(prev):
 def test_treeflash_needs_an_ar_layer():
     target = tiny_target("llama")
     with pytest.raises(ValueError, match="AR layer"):
-        BlockDrafter(tiny_drafter(target), "treeflash")
+        block_drafter(tiny_drafter(target), "treeflash")
 
 
 def test_dist_command_reports_both_kinds(tmp_path, tiny_folder, capsys):  # noqa: F811
@@ -221,7 +222,7 @@ def test_published_treeflash_checkpoints_load(tmp_path):
     reference = _rms(out, final) @ target.model.get_output_embeddings().weight.T
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
     prompt = repetitive_prompt(random.Random(0), 96)
-    assert generate(target, BlockDrafter(drafter, "treeflash"), prompt, 20, budget=6).tokens == \
+    assert generate(target, block_drafter(drafter, "treeflash"), prompt, 20, budget=6).tokens == \
         generate(target, make_drafter("ar"), prompt, 20).tokens
 
 
@@ -244,7 +245,7 @@ def test_treeflash_round_trip(tmp_path, prev, published):
     for k, v in drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v, atol=0, rtol=0)
     tokens, h = [5, 7], torch.randn(7, 64)
-    trees = [BlockDrafter(m, "treeflash").build(m, tokens, h, 12) for m in (drafter, loaded)]
+    trees = [block_drafter(m, "treeflash").tree(tokens, h, 12) for m in (drafter, loaded)]
     assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
 
 

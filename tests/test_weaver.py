@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from treeflash import DraftTree, generate
-from treeflash.drafters import WeaverDrafter, make_drafter
+from treeflash.drafters import block_drafter, make_drafter
+from treeflash.drafters.builders import WeaverRound
 from treeflash.models.checkpoint import DrafterError, weights_digest
 from treeflash.models.weaver import Weaver, WeaverConfig
 from treeflash.train.dflash import Sequence, sample_anchors, target_view
@@ -33,18 +34,20 @@ def tiny_weaver(drafter, seed=3, random_residual=True, **kw) -> Weaver:
 
 def test_fresh_weaver_is_the_marginal_on_its_candidates(tmp_path):
     target = tiny_target("llama")
-    drafter = WeaverDrafter(tiny_drafter(target), tiny_weaver(tiny_drafter(target), random_residual=False), width=2)
+    weaver = tiny_weaver(tiny_drafter(target), random_residual=False)
+    drafter = block_drafter(tiny_drafter(target), "tfm", weaver=weaver, width=2)
     prompt = repetitive_prompt(random.Random(0), 96)
     drafter.observe(torch.randn(len(prompt), 2, 64))
-    tree = drafter.propose(prompt + [5], None, 6)
-    rnd = drafter.last_round
+    h = drafter.draft(prompt + [5], None)
+    tree = drafter.tree(prompt + [5], h, 6)
+    rnd = WeaverRound(weaver, h, drafter.last_feature, capacity=7)
     marginal = torch.softmax(drafter.model.logits(rnd.h).float(), dim=-1).gather(-1, rnd.candidates)  # [D, K]
     probs = rnd(list(range(len(tree))), list(tree.tokens), list(tree.parents), list(tree.depths))
     for n, d in enumerate(tree.depths):
         if d < len(marginal):
             torch.testing.assert_close(probs[n], marginal[d] / marginal[d].sum())
     # the training forward too: zero residual
-    w = drafter.weaver
+    w = weaver
     out = w(torch.randn(2, 7, 64), torch.randn(2, 64), torch.randint(0, 96, (2, 7)))
     assert out.abs().max() == 0
     w.save_pretrained(tmp_path, dtype=torch.float32)  # round trip
@@ -135,11 +138,11 @@ def test_fallback_grows_the_last_batch_for_free(w):
 @pytest.mark.parametrize("budget,w", [(1, 4), (5, 1), (16, 4), (16, 8), (30, 8)])
 def test_tfm_drafter_counts_weaver_calls(budget, w):
     target = tiny_target("llama")
-    drafter = WeaverDrafter(tiny_drafter(target), tiny_weaver(tiny_drafter(target)), width=w)
+    drafter = block_drafter(tiny_drafter(target), "tfm", weaver=tiny_weaver(tiny_drafter(target)), width=w)
     prompt = repetitive_prompt(random.Random(1), 96)
     drafter.observe(torch.randn(len(prompt), 2, 64))
     tree = drafter.propose(prompt + [5], None, budget)
-    assert tree.size == budget and drafter.last_round.calls == math.ceil(budget / w) == drafter.adapter_calls
+    assert tree.size == budget and drafter.adapter_calls == math.ceil(budget / w)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -147,7 +150,7 @@ def test_tfm_is_lossless(kind):
     target = tiny_target(kind)
     backbone = tiny_drafter(target, seed=1)
     for w in (1, 4):
-        drafter = WeaverDrafter(backbone, tiny_weaver(backbone, seed=w), width=w)
+        drafter = block_drafter(backbone, "tfm", weaver=tiny_weaver(backbone, seed=w), width=w)
         for seed in range(2):
             prompt = repetitive_prompt(random.Random(seed), 96)
             ar = generate(target, make_drafter("ar"), prompt, 30).tokens
@@ -168,7 +171,7 @@ def test_make_drafter_tfm(tmp_path):
     with pytest.raises(FileNotFoundError, match="--weaver"):
         make_drafter("tfm", target, str(tmp_path / "dflash"))
     drafter = make_drafter("tfm", target, str(tmp_path / "dflash"), str(tmp_path / "weaver"), width=3)
-    assert drafter.name == "tfm" and drafter.width == 3
+    assert drafter.name == "tfm" and drafter.builder.width == 3
     prompt = repetitive_prompt(random.Random(2), 96)
     assert generate(target, drafter, prompt, 20, budget=8).tokens == generate(target, make_drafter("ar"), prompt,
                                                                                20).tokens
@@ -212,7 +215,8 @@ def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
     from treeflash.cli import main
-    from treeflash.models.dflash import DFlashConfig, DFlashDrafter
+    from treeflash.models.dflash import DFlashDrafter
+    from treeflash.models.dflash_config import DFlashConfig
 
     assert main(["generate", "hi", "--method", "tfm", "--target", tiny_folder]) == 2  # no --weaver: one-line error
     write_store(tmp_path, tiny_folder)

@@ -27,7 +27,7 @@ import torch
 
 from .clock import now
 from .drafters.base import Drafter
-from .drafters.dflash import BlockDrafter, observe_all
+from .drafters.block import BlockDrafter, observe_all
 from .engine import AUTO, DEFAULT_MAX_BUDGET, GenerationResult, Round, Sequence
 from .speculation import BatchCosts, Policy, VerifyCosts
 from .target import Target, TargetError, TargetOutput
@@ -109,7 +109,7 @@ class BatchDrafter:
     """One `drafter` per sequence of the batch; block drafters draft the whole batch in one forward."""
 
     def __init__(self, drafter: Drafter):
-        self.drafter, self.name, self.taps = drafter, drafter.name, drafter.taps
+        self.drafter, self.name, self.taps, self.drafts = drafter, drafter.name, drafter.taps, drafter.drafts
         self.lanes: list[Drafter] = []
 
     def add(self) -> None:
@@ -169,7 +169,7 @@ class BatchEngine:
         self.budget = budget if budget != AUTO else max_budget
         self.rounds, self.draft_s, self.verify_s = 0, 0.0, 0.0  # cumulative, over the batch's rounds (for bench)
         self.policy = None
-        if budget == AUTO and drafter.name != "ar":
+        if budget == AUTO and drafter.drafts:
             self.policy = batch_policy_for(target, drafter, max_batch, max_budget)
 
     def __len__(self) -> int:
@@ -193,8 +193,7 @@ class BatchEngine:
                           GenerationResult(seq.emitted, prefill_s=now(self.target.device) - t0),
                           on_token, should_stop)
         self.batch.add()
-        if hasattr(self.batch.lanes[-1], "follow"):  # a drafter that samples its drafts: at this request's sampling
-            self.batch.lanes[-1].follow(sampling, generator)
+        self.batch.lanes[-1].follow(sampling, generator)
         self.requests.append(request)
         if on_token:
             on_token(first)
@@ -211,7 +210,7 @@ class BatchEngine:
         room = self.target.context_length - max(self.slots.lengths) - 1  # padded trees must fit too
         budget = max(min(self.budget, room), 0)
         t0 = now(device)
-        drafted = budget > 0 and self.batch.name != "ar" and (self.policy is None or self.policy.should_draft())
+        drafted = budget > 0 and self.batch.drafts and (self.policy is None or self.policy.should_draft())
         if drafted:
             trees = self.batch.propose(seqs, [budget] * len(seqs))
             if self.policy:

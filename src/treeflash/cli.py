@@ -451,7 +451,7 @@ def _choose_method(args) -> None:
 
 
 def _require_weaver(args) -> None:
-    from .drafters.tfm import default_weaver_path
+    from .drafters.load import default_weaver_path
 
     if not (args.weaver or default_weaver_path(args.target, args.drafter)):
         raise UsageError("method tfm needs --weaver PATH (a folder written by `treeflash train weaver` on the "
@@ -463,8 +463,7 @@ def available_methods(target: str, drafter: str | None, weaver: str | None = Non
     for the target): treeflash needs an AR layer, tfm a Weaver (named, or shipped with the shipped drafter)."""
     from pathlib import Path
 
-    from .drafters.dflash import shipped_drafter
-    from .drafters.tfm import default_weaver_path
+    from .drafters.load import default_weaver_path, shipped_drafter
     from .models.dflash2 import is_dflash2
 
     methods = ["ar", "pld"]
@@ -598,8 +597,7 @@ def cmd_overhead(args) -> None:
 
 
 def cmd_dist(args) -> None:
-    from .drafters.dflash import default_drafter_path, shipped_drafter
-    from .drafters.tfm import default_weaver_path
+    from .drafters.load import default_drafter_path, default_weaver_path, shipped_drafter
     from .eval.datasets import load_prompts
     from .eval.dist import distribution_metrics, format_table, plot
     from .models.dflash import DFlashDrafter
@@ -676,7 +674,7 @@ def cmd_data(args) -> None:
 def cmd_rank(args) -> None:
     from pathlib import Path
 
-    from .models.dflash import RANKING_FILE
+    from .models.dflash_io import RANKING_FILE
     from .train.data import token_ranking
     from .train.store import stores
 
@@ -729,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as err:  # user-caused errors: one line, no traceback
         from .eval.datasets import DatasetError
-        from .models.dflash import DrafterError
+        from .models.checkpoint import DrafterError
         from .target import TargetError
 
         if not isinstance(err, (UsageError, DatasetError, DrafterError, TargetError, OSError)):

@@ -89,7 +89,7 @@ def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, bu
     policy = budget if isinstance(budget, Policy) else None
     room = target.context_length - target.length - 1  # the tree (root + drafts) must fit in the context
     t0 = _now(target.device)
-    drafted = drafter.name != "ar" and (policy is None or policy.should_draft())  # as BatchEngine.step decides
+    drafted = drafter.drafts and (policy is None or policy.should_draft())  # as BatchEngine.step decides
     if drafted:
         tree = drafter.propose(seq.tokens, seq.features, min(policy.max_budget if policy else budget, room))
         seq.features = None
@@ -139,13 +139,12 @@ def generate(
     max_new_tokens = min(max_new_tokens, target.context_length - len(prompt))
     if budget != AUTO:
         plan = budget
-    elif drafter.name == "ar":  # AR proposes nothing to choose from: no policy (nor the cost measurement behind one)
+    elif not drafter.drafts:  # AR proposes nothing to choose from: no policy (nor the cost measurement behind one)
         plan = 1
     else:
         plan = policy_for(target, drafter, max_budget)
     drafter.reset()
-    if hasattr(drafter, "follow"):  # a drafter that samples its drafts (dflash2) does so at this sampling
-        drafter.follow(sampling, generator)
+    drafter.follow(sampling, generator)
 
     t0 = _now(target.device)
     out = target.prefill(prompt, taps=drafter.taps)

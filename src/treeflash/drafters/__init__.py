@@ -1,13 +1,13 @@
-"""Decoding methods, each a drafter behind one interface (see base.Drafter)."""
+"""Decoding methods, each a drafter behind one interface (see base.Drafter). The block methods are one class,
+BlockDrafter: a backbone (DFlash or DFlash2) plus the method's tree builder (builders.py)."""
 
 from __future__ import annotations
 
 from .ar import AutoregressiveDrafter
 from .base import Drafter
-from .dflash import BlockDrafter, load_block_drafter
-from .dflash2 import DFlash2BlockDrafter, load_dflash2_drafter
+from .block import BlockDrafter, block_drafter
+from .load import load_block_drafter, load_dflash2_drafter, load_weaver_drafter
 from .pld import PromptLookupDrafter
-from .tfm import WeaverDrafter, load_weaver_drafter
 
 METHODS = ("ar", "pld", "dflash", "ddtree", "treeflash", "tfm", "dflash2", "dflash2-tree")
 
@@ -31,5 +31,5 @@ def make_drafter(name: str, target=None, drafter_path: str | None = None, weaver
     raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 
 
-__all__ = ["METHODS", "AutoregressiveDrafter", "BlockDrafter", "DFlash2BlockDrafter", "Drafter", "PromptLookupDrafter",
-           "WeaverDrafter", "make_drafter"]
+__all__ = ["METHODS", "AutoregressiveDrafter", "BlockDrafter", "Drafter", "PromptLookupDrafter", "block_drafter",
+           "make_drafter"]

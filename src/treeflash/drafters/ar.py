@@ -12,8 +12,12 @@ from ..tree import DraftTree
 class AutoregressiveDrafter:
     name = "ar"
     taps: tuple[int, ...] = ()
+    drafts = False
 
     def reset(self) -> None:
+        pass
+
+    def follow(self, sampling, generator=None) -> None:
         pass
 
     def propose(self, tokens, features, budget) -> DraftTree:

@@ -7,15 +7,22 @@ from typing import Protocol
 import torch
 
 from ..tree import DraftTree
+from ..verify import Sampling
 
 
 class Drafter(Protocol):
     name: str
     #: decoder layers of the target whose hidden states the drafter reads (empty: none)
     taps: tuple[int, ...]
+    #: False for plain decoding, which proposes nothing: no drafting round, no policy to weigh trees
+    drafts: bool
 
     def reset(self) -> None:
         """Forget the previous sequence."""
+
+    def follow(self, sampling: Sampling, generator: torch.Generator | None = None) -> None:
+        """Draft for a sequence sampled with `sampling`, drawing any random drafts from `generator` (the
+        sequence's). Drafters whose trees are deterministic ignore it."""
 
     def propose(self, tokens: list[int], features: torch.Tensor | None, budget: int) -> DraftTree:
         """A tree of at most `budget` draft nodes below the root `tokens[-1]`.

@@ -15,6 +15,7 @@ from ..tree import DraftTree
 class PromptLookupDrafter:
     name = "pld"
     taps: tuple[int, ...] = ()
+    drafts = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 8, max_matches: int = 8):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -22,6 +23,9 @@ class PromptLookupDrafter:
 
     def reset(self) -> None:
         pass
+
+    def follow(self, sampling, generator=None) -> None:
+        pass  # its drafts are copies, whatever the sampling
 
     def continuations(self, tokens: list[int]) -> list[list[int]]:
         paths: list[list[int]] = []

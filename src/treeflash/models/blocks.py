@@ -5,16 +5,13 @@ also sees injected context keys/values (DFlash's KV injection). Parameter names 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from .dflash import DFlashConfig
+from .dflash_config import DFlashConfig
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +70,7 @@ def block_mask(anchors: torch.Tensor, context: int, block_size: int) -> torch.Te
 
 
 class Attention(nn.Module):
-    def __init__(self, c: "DFlashConfig"):
+    def __init__(self, c: DFlashConfig):
         super().__init__()
         self.c = c
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
@@ -123,7 +120,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: "DFlashConfig"):
+    def __init__(self, c: DFlashConfig):
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
@@ -134,7 +131,7 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, c: "DFlashConfig"):
+    def __init__(self, c: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)

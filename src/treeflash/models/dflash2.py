@@ -20,7 +20,6 @@ Tensor names and config keys are those of the published format read by the refer
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -30,7 +29,8 @@ from torch import nn
 
 from .blocks import MLP, Attention, RMSNorm
 from .checkpoint import DrafterError, load_strict, parse_config, read_config, read_weights, save_checkpoint
-from .dflash import DFlashConfig, DFlashDrafter
+from .dflash import DFlashDrafter
+from .dflash_config import DFlashConfig
 
 ARCHITECTURE = "DFlash2DraftModel"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")

@@ -25,7 +25,6 @@ their common prefix's K/V; nothing is recomputed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,7 +35,8 @@ from torch import nn
 from .blocks import RMSNorm, rope
 from .checkpoint import (DrafterError, load_strict, parse_config, read_config, read_weights, save_checkpoint,
                          weights_digest)
-from .dflash import DFlashConfig, DFlashDrafter
+from .dflash import DFlashDrafter
+from .dflash_config import DFlashConfig
 
 
 @dataclass

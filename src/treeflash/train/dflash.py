@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..models.dflash import RANKING_FILE, DFlashDrafter, DrafterError
+from ..models.checkpoint import DrafterError
+from ..models.dflash import DFlashDrafter
+from ..models.dflash_io import RANKING_FILE
 from .losses import forward_kl, position_weights
 
 DEFAULT_DRAFT_VOCAB = 4096  # FR-Spec rows a fresh drafter is trained on and scores at inference
@@ -115,7 +117,7 @@ def run(args) -> dict:
     alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing. A TreeFlash
     drafter as --backbone continues: its AR layer is trained further (the --ar-* options are then its own). With
     --init, a DFlash backbone gets the AR layer of that TreeFlash drafter (its own settings) as a starting point."""
-    from ..models.dflash import DFlashConfig
+    from ..models.dflash_config import DFlashConfig
 
     rank, world, target = setup(args)
     if args.train_command == "treeflash":
@@ -210,7 +212,7 @@ def training_vocab(args, drafter: DFlashDrafter, rows: list[dict]) -> dict | Non
     answers (0: the whole vocabulary); unset, a trained drafter (--init, --backbone) keeps the vocabulary it has
     (its ranking and draft_vocab_size), a fresh one takes 4,096 (the size the shipped drafters score), or every
     token the answers hold where they hold fewer."""
-    from ..models.dflash import RANKING_FILE, draft_vocab
+    from ..models.dflash_io import RANKING_FILE, draft_vocab
     from .data import token_ranking
 
     trained = args.backbone if args.train_command == "treeflash" else args.init
@@ -238,7 +240,7 @@ def training_rows(args, target) -> list[dict]:
 
 def mask_token(choice: str | None, target) -> int:
     """--mask-token: an id or a token's text of the target's vocabulary; None: choose_mask_token."""
-    from ..models.dflash import choose_mask_token
+    from ..models.dflash_config import choose_mask_token
 
     if choice is None:
         return choose_mask_token(target.tokenizer)

@@ -78,7 +78,7 @@ def dflash2_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchor
 def build(args, target) -> DFlash2Drafter:
     """The drafter a run starts from: --init (a DFlash2 folder), --backbone (a DFlash folder: its weights, the convs
     the identity, a fresh selector), else fresh at the sizes given."""
-    from ..models.dflash import DFlashConfig
+    from ..models.dflash_config import DFlashConfig
     from .dflash import mask_token
 
     own = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,

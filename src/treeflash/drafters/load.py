@@ -1,0 +1,80 @@
+"""Loading a method's drafter: the models shipped for a target, or the user's folders, in the drafting dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..models.checkpoint import DrafterError
+
+from ..models.dflash import DFlashDrafter
+
+from ..models.dflash_io import draft_vocab
+from ..models.dflash2 import DFlash2Drafter, is_dflash2
+from ..models.packed import pack_linears
+from ..models.weaver import Weaver
+from .block import BlockDrafter, block_drafter, drafting_dtype
+
+# drafters that ship with treeflash, by target name and kind
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+SHIPPED = {("smollm2-135m-instruct", "dflash"): CHECKPOINTS / "smollm2-135m-instruct-dflash",
+           ("smollm2-135m-instruct", "treeflash"): CHECKPOINTS / "smollm2-135m-instruct-treeflash",
+           ("smollm2-135m-instruct", "weaver"): CHECKPOINTS / "smollm2-135m-instruct-weaver"}
+
+
+def shipped_drafter(target_name: str, kind: str) -> Path | None:
+    """The folder of the `kind` ("dflash", "treeflash" or "weaver") model shipped for a target, if there is one.
+    The shipped TreeFlash AR layer and Weaver were trained on the shipped DFlash drafter, frozen."""
+    path = SHIPPED.get((target_name, kind))
+    return path if path is not None and (path / "config.json").exists() else None
+
+
+def default_drafter_path(target_name: str, kind: str) -> Path:
+    path = shipped_drafter(target_name, kind)
+    if path is None:
+        raise FileNotFoundError(f"no shipped {kind} drafter for target {target_name!r}: pass --drafter PATH "
+                                f"(a folder written by `treeflash train {kind}`)")
+    return path
+
+
+def default_weaver_path(target_name: str, drafter_path: str | Path | None) -> Path | None:
+    """The Weaver shipped for the target, which fits only the shipped drafter: None when another is named."""
+    return shipped_drafter(target_name, "weaver") if drafter_path is None else None
+
+
+def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = None) -> DFlashDrafter:
+    """A drafter checkpoint attached to `target`, in the drafting dtype, scoring its draft vocabulary
+    (`draft_vocab_size`: None: the config's, 0: every token), its products on packed weights (inference only)."""
+    model = DFlashDrafter.from_pretrained(path, dtype=drafting_dtype(target.device))
+    model = model.attach(target.model).to(target.device)
+    return pack_linears(model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size)))
+
+
+def load_block_drafter(method: str, target, path: str | Path | None = None,
+                       draft_vocab_size: int | None = None) -> BlockDrafter:
+    """dflash, ddtree or treeflash: the shipped drafter of that kind for the target unless `path` names one."""
+    kind = "treeflash" if method == "treeflash" else "dflash"
+    model = load_drafter_model(target, path or default_drafter_path(target.name, kind), draft_vocab_size)
+    return block_drafter(model, method)
+
+
+def load_weaver_drafter(target, drafter_path: str | Path | None, weaver_path: str | Path | None,
+                        width: int = 8, draft_vocab_size: int | None = None) -> BlockDrafter:
+    weaver_path = weaver_path or default_weaver_path(target.name, drafter_path)
+    if weaver_path is None:
+        raise FileNotFoundError("method tfm needs a Weaver: pass --weaver PATH (a folder written by "
+                                "`treeflash train weaver` on this drafter)")
+    drafter_path = drafter_path or default_drafter_path(target.name, "dflash")
+    model = load_drafter_model(target, drafter_path, draft_vocab_size)
+    weaver = Weaver.from_pretrained(weaver_path, drafting_dtype(target.device),
+                                    backbone=model.dflash_folder(drafter_path)).to(target.device)
+    return block_drafter(model, "tfm", weaver=pack_linears(weaver), width=width)
+
+
+def load_dflash2_drafter(target, path: str | Path | None, method: str = "dflash2") -> BlockDrafter:
+    if path is None:
+        raise FileNotFoundError("no DFlash2 drafter ships with treeflash: pass --drafter PATH (a folder in the "
+                                "published DFlash2 format)")
+    if not is_dflash2(path):
+        raise DrafterError(f"{path} is not a DFlash2 drafter (config.json's architectures lack DFlash2DraftModel)")
+    model = DFlash2Drafter.from_pretrained(path, dtype=drafting_dtype(target.device))
+    return block_drafter(pack_linears(model.attach(target.model).to(target.device)), method)
