@@ -13,28 +13,17 @@ model would change (near-tie flips), and torch 2.13 deprecates the quantised ten
 
 import argparse
 import json
-import statistics
-import time
 import warnings
 
 import torch
+from forward_costs import timed  # scripts/ is on the path when a script runs
 
 from treeflash.models.int4 import Int4Weight, quantise
 
-LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # [out, in]
+# [out, in] of q, k, v, o, gate, up, down: distinct products, as the int4 runtime runs them (floors.py fuses some)
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 LAYERS, HEAD = 30, (49152, 576)
 ROWS = (1, 4, 8, 17)
-
-
-def timed(fn, repeats: int = 7) -> float:
-    """Median milliseconds of fn() after a warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def int8_linear(w: torch.Tensor) -> torch.nn.Module:
