@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from .ar_layer import from_legacy
-from .checkpoint import DrafterError, load_strict, parse_config, read_config, read_weights, save_checkpoint, weights_digest
+from .checkpoint import (DrafterError, load_strict, parse_config, read_config, read_weights, save_checkpoint,
+                         weights_digest)
 from .dflash_config import DFlashConfig
 
 
