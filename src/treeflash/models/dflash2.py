@@ -205,7 +205,7 @@ class DFlash2Drafter(nn.Module):
             if isinstance(m, nn.Linear) and not name.endswith("kernel_projection"):
                 nn.init.normal_(m.weight, std=0.02)
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered (nor saved)
-        self.ar_layer = None  # none: BlockDrafter asks
+        self.ar_layer = None  # none: the borrowed DFlash forward asks
 
     # ---- the target's modules: DFlashDrafter's (the same config fields and checks) -------------------------------
     attach = DFlashDrafter.attach
