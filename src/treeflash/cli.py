@@ -45,8 +45,9 @@ def _non_negative_float(text: str) -> float:
 def _methods(text: str, baselines: bool = False) -> list[str]:
     from .drafters import METHODS
     from .eval.baselines import BASELINES
+    from .eval.bench import EAGER
 
-    known = METHODS + BASELINES if baselines else METHODS
+    known = METHODS + BASELINES + (EAGER,) if baselines else METHODS
     names = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in names if m not in known]
     if unknown or not names:
@@ -108,6 +109,11 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     p.add_argument("--runtime", default="auto", choices=["auto", "static", "hf"],
                    help="target runtime: the static-cache fast path where the architecture has one (auto), or the "
                    "generic Hugging Face forward (hf, the reference)")
+    compile_default = "off" if paired else "auto"
+    p.add_argument("--compile", default=compile_default, choices=["auto", "on", "off"],
+                   help="compile the target's decoding layers with torch.compile (inductor, C++ wrapper): auto does "
+                   "where that is fast (a 4-bit GGUF target on the CPU, with a C++ compiler; about 10 s at the first "
+                   f"start, cached after), on always, off never (eager: the reference); default {compile_default}")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree/tfm "
@@ -361,7 +367,7 @@ def _load_target(args):
     from .target import Target
 
     return Target.load(args.target, dtype=args.dtype, device=args.device, runtime=getattr(args, "runtime", "auto"),
-                       quantize=getattr(args, "quantize", "auto"))
+                       quantize=getattr(args, "quantize", "auto"), compile=getattr(args, "compile", "off"))
 
 
 def _max_rss_mib() -> float:
@@ -509,11 +515,13 @@ def cmd_bench(args) -> None:
               "max_budget": args.max_budget, "tfm_widths": args.tfm_width, "draft_vocab": args.draft_vocab,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "dtype": dtype, "runtime": target.runtime,
+              "compiled": target.compiled,
               "weights": _weights(target), "threads": torch.get_num_threads(), "max_rss_mib": _max_rss_mib(),
               "seconds": time.time() - started, "methods": methods}
     print(f"{args.dataset}: {len(prompts)} prompts, budget {','.join(map(str, args.budget))} (max {args.max_budget}), "
           f"T = {args.temperature}, {args.max_new_tokens} new tokens, target {args.target} ({dtype}, "
-          f"{target.runtime} runtime, {torch.get_num_threads()} threads; weights: {target.weights})")
+          f"{target.runtime} runtime{', compiled' if target.compiled else ''}, {torch.get_num_threads()} threads; "
+          f"weights: {target.weights})")
     print(format_table(methods))
     if args.out:
         with open(args.out, "w") as f:
@@ -523,11 +531,12 @@ def cmd_bench(args) -> None:
 def _batch_bench(args, target, prompts, sampling) -> None:
     from .eval.baselines import BASELINES
     from .eval.batch_bench import format_batch_table, run_batch_bench
+    from .eval.bench import EAGER
     import torch
 
     if len(args.tfm_width) > 1:
         raise UsageError("--batch-size takes one --tfm-width")
-    skipped = [m for m in args.methods if m in BASELINES]
+    skipped = [m for m in args.methods if m in (*BASELINES, EAGER)]
     if skipped:
         print(f"not batched, skipped: {', '.join(skipped)}")
     started = time.time()

@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +52,9 @@ RUNTIMES = ("auto", "static", "hf")
 # "gguf": always (fp32 activations too: exact but slow); "int4": round a dense target's linears to 4 bits;
 # "none": the dense (for a GGUF: dequantised) weights
 QUANTIZE = ("auto", "none", "gguf", "int4")
+# "auto": the static runtime's decoding layers compiled (inductor) where they run the 4-bit kernel on the CPU and a
+# C++ compiler is there; "on": refuse to run without; "off": eager, the reference
+COMPILE = ("auto", "on", "off")
 
 
 def native_bf16(device: torch.device | str) -> bool:
@@ -158,7 +161,7 @@ class Target:
     a model without one) or "hf" (the reference)."""
 
     def __init__(self, model, tokenizer=None, name: str = "model", runtime: str = "auto",
-                 weights: "GGUFWeights | str" = "dense"):
+                 weights: "GGUFWeights | str" = "dense", compile: str = "off"):
         if runtime not in RUNTIMES:
             raise TargetError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
         self.model = model.eval()
@@ -177,17 +180,46 @@ class Target:
             raise TargetError(f"no static runtime for {name}: {reason}; use runtime hf")
         self.fast = StaticDecoder(model) if runtime != "hf" and reason is None else None
         self.runtime = "static" if self.fast else "hf"
+        self.compiled = False
+        self.compile(compile)
+
+    def compile(self, mode: str = "on") -> bool:
+        """Compile the static runtime's decoding layers (`StaticDecoder.compile`) as `mode` asks (auto: where
+        that is fast; on: refuse to stay eager; off: leave them as they are). Returns `compiled`."""
+        if mode not in COMPILE:
+            raise TargetError(f"unknown compile {mode!r}; choose one of {', '.join(COMPILE)}")
+        why = None
+        if self.fast is None:
+            why = "the static runtime only"
+        elif mode == "auto" and self.device.type != "cpu":
+            why = "auto compiles on the CPU only"  # untested on GPUs yet: `on` compiles there
+        elif shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("clang++") is None:
+            why = "no C++ compiler (g++ or clang++) on the PATH"
+        if mode == "off" or (mode == "auto" and why):
+            return self.compiled
+        if why:
+            raise TargetError(f"compile on: {why}")
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))  # kept across starts
+        try:
+            self.fast.compile()
+        except ValueError as err:  # layers without a compiled form (dense products, q/k norms, ...)
+            if mode == "on":
+                raise TargetError(f"compile on: {err}") from None
+            return self.compiled
+        self.compiled = True
+        return True
 
     @classmethod
     def load(cls, name_or_path: str = DEFAULT_TARGET, dtype: str = "float32", device: str | None = None,
-             runtime: str = "auto", quantize: str = "auto") -> "Target":
+             runtime: str = "auto", quantize: str = "auto", compile: str = "off") -> "Target":
         """`dtype`: float32 (exact against plain decoding), bfloat16, or auto (bf16 where the hardware multiplies
         it natively, else fp32). `quantize`: for GGUF targets, auto keeps the file's 4-bit and 8-bit tensors and
         multiplies them with PyTorch's int4 CPU kernel where that is fast (CPU, bf16), gguf always, none never
         (the dequantised weights: the exact reference); for other targets, int4 rounds the linears to 4 bits
         (a different model: speculation stays exact with respect to it), auto and none leave them dense. Under
         dtype auto on a CPU without native bf16, a GGUF target's activations are fp32 and its 4-bit products
-        multiply in bf16."""
+        multiply in bf16. `compile`: auto compiles the decoding layers where that is fast (a 4-bit target on the
+        CPU; about 10 s at the first start, cached on disk after), on always, off never (the eager reference)."""
         if quantize not in QUANTIZE:
             raise TargetError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE)}")
         device = default_device(device)
@@ -217,7 +249,19 @@ class Target:
         elif quantize == "int4":
             weights = f"int4, rounded to nearest in groups of {int4.GROUP}: {int4.quantise_model(model, torch_dtype)} " \
                       "linears (LM head dense)"
-        return cls(model, tokenizer, name=name_or_path, runtime=runtime, weights=weights)
+        return cls(model, tokenizer, name=name_or_path, runtime=runtime, weights=weights, compile=compile)
+
+    @contextmanager
+    def eager(self):
+        """Run the eager layers for a while, compiled or not (bench's `ar-eager`, tests)."""
+        rows = self.fast.compiled_rows if self.fast else 0
+        if self.fast:
+            self.fast.compiled_rows = 0
+        try:
+            yield
+        finally:
+            if self.fast:
+                self.fast.compiled_rows = rows
 
     # ---- properties -------------------------------------------------------------------------------------------
     @property

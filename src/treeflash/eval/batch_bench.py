@@ -18,6 +18,7 @@ from ..engine import AUTO, DEFAULT_MAX_BUDGET, generate
 from ..target import Target
 from ..verify import Sampling
 from .baselines import BASELINES
+from .bench import EAGER
 
 
 def run_batch_bench(target: Target, prompts: list[str], methods: list[str], batch_sizes: list[int],
@@ -28,7 +29,7 @@ def run_batch_bench(target: Target, prompts: list[str], methods: list[str], batc
     encoded = [target.encode_prompt(p) for p in prompts]
     ar_drafter = make_drafter("ar")
     reference = [generate(target, ar_drafter, p, max_new_tokens).tokens for p in encoded] if sampling.greedy else None
-    variants = [("ar", 1)] + [(m, b) for m in methods if m not in ("ar", *BASELINES) for b in budgets]
+    variants = [("ar", 1)] + [(m, b) for m in methods if m not in ("ar", EAGER, *BASELINES) for b in budgets]
     drafters = {m: make_drafter(m, target, drafter_path, weaver_path, tfm_width, draft_vocab_size)
                 for m in dict.fromkeys(m for m, _ in variants)}
     engines = {(m, b, n): BatchEngine(target, drafters[m], n, b, max_budget)  # measures the batch costs once

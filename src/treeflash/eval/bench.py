@@ -3,12 +3,14 @@
 A run can sweep budgets (numbers, or "auto": cost-aware speculation) and tfm widths: every (method, budget, width)
 variant decodes every prompt in the same run, so their ratios share the same machine noise. `ar` is the reference
 (speed and exactness) and runs once. The baselines of other engines (eval/baselines.py: `hf`, `hf-pld`,
-`llamacpp`, `llamacpp-pld`) run in the same interleaving; one that cannot run here is reported as skipped.
+`llamacpp`, `llamacpp-pld`) run in the same interleaving; one that cannot run here is reported as skipped. So does
+`ar-eager` on a compiled target: `ar` on the eager layers.
 """
 
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -19,6 +21,9 @@ from ..target import Target
 from ..verify import Sampling
 from .baselines import BASELINES, BaselineUnavailable, make_baseline
 
+# plain AR decoding on the eager layers of a compiled target (`--compile`): the compiled layers' same-run reference
+EAGER = "ar-eager"
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -28,7 +33,7 @@ class Variant:
 
     def name(self, several_budgets: bool, several_widths: bool) -> str:
         name = self.method
-        if several_budgets and self.method not in ("ar", *BASELINES):
+        if several_budgets and self.method not in ("ar", EAGER, *BASELINES):
             name += f"@{self.budget}"
         if several_widths and self.width is not None:
             name += f"/w{self.width}"
@@ -42,7 +47,7 @@ def variants(methods: list[str], budgets: list[int], tfm_widths: list[int]) -> l
     for m in methods:
         if m == "ar":
             continue
-        if m in BASELINES:
+        if m in (*BASELINES, EAGER):
             out.append(Variant(m, budgets[0]))
             continue
         for b in budgets:
@@ -103,6 +108,13 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             except BaselineUnavailable as why:
                 skipped[v.method] = str(why)
             continue
+        if v.method == EAGER:
+            if not target.compiled:
+                skipped[v.method] = "the target is not compiled: ar is eager already"
+            else:
+                runs.append(v)
+                drafters[v] = make_drafter("ar")
+            continue
         if (v.method, v.width) not in loaded:  # one drafter per method and width, shared by every budget
             loaded[v.method, v.width] = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8,
                                                      draft_vocab_size)
@@ -118,7 +130,8 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
         """New tokens, seconds, target forwards after the prefill, and our rounds (none for a baseline)."""
         if v.method in BASELINES:
             return *drafters[v](prompt, tokens, sampling, seed), []
-        r = generate(target, drafters[v], prompt, tokens, sampling, v.budget, seed=seed, max_budget=max_budget)
+        with target.eager() if v.method == EAGER else nullcontext():
+            r = generate(target, drafters[v], prompt, tokens, sampling, v.budget, seed=seed, max_budget=max_budget)
         return r.tokens, r.seconds, len(r.rounds), r.rounds
 
     encoded = [target.encode_prompt(p) for p in prompts]
@@ -160,7 +173,7 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
         tps = t.new_tokens / t.seconds
         per_round = 1e3 / max(t.rounds, 1)
         report[v.name(several_budgets, several_widths)] = {
-            "method": v.method, "budget": None if v.method in ("ar", *BASELINES) else v.budget,
+            "method": v.method, "budget": None if v.method in ("ar", EAGER, *BASELINES) else v.budget,
             "tfm_width": v.width,
             "tau": t.round_tokens / max(t.rounds, 1),
             # the same mean as tau at T > 0 (equal at T = 0), without the noise of the acceptance draws

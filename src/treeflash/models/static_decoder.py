@@ -14,7 +14,9 @@ What makes it lean, each against what the generic HF path does:
 - q and k are rotated together (one RoPE over their heads);
 - attention is SDPA with an explicit boolean mask (none for one token); grouped-query attention folds the query
   heads of a group into the query axis instead of repeating K/V;
-- only the tapped layers' outputs are kept, and the LM head runs only at the positions asked for.
+- only the tapped layers' outputs are kept, and the LM head runs only at the positions asked for;
+- on request (`compile`), forwards of a few rows run each layer through `torch.compile` (`compiled_layer.py`), with
+  `decoder_layer` as the eager reference.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from .compiled_layer import compile_layer, layer_weights
 from .int4 import Int4Linear
 from .packed import linear, pack, packed_linear
 
@@ -103,8 +106,9 @@ class _Projection:
 
 
 class _Layer:
-    def __init__(self, hf_layer, dtype: torch.dtype):
+    def __init__(self, hf_layer, dtype: torch.dtype, act):
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.act = act
         self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
         self.o = _Projection([attn.o_proj], dtype)
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
@@ -122,6 +126,42 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def decoder_layer(layer: _Layer, shape: tuple[int, int, int], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, end: int, at: int | None, cols: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """One decoder layer over x [B, n, H]: writes the tokens' K/V into k_cache / v_cache [B, kv_heads, capacity,
+    head_dim] (the batch's slots of one layer) at positions `at`.. (every sequence at one start) or at `cols`
+    [B, n], attends to [0, end) under `mask` [B, 1, g * n, end] (None: all of it), and returns the layer's output.
+    The reference of the compiled layer (`compiled_layer.py`)."""
+    heads, kv_heads, hd = shape
+    B, n, _ = x.shape
+    qd, kvd = heads * hd, kv_heads * hd
+    h = _rms_norm(x, layer.in_norm)
+    qkv = layer.qkv(h)
+    qk = qkv[..., :qd + kvd].view(B, n, heads + kv_heads, hd)
+    v = qkv[..., qd + kvd:].view(B, n, kv_heads, hd)
+    if layer.q_norm is not None:
+        qk = torch.cat([layer.q_norm(qk[:, :, :heads]), layer.k_norm(qk[:, :, heads:])], dim=2)
+    qk = _rotate(qk.transpose(1, 2), cos, sin)  # q and k heads in one rotation: half the small ops
+    q, k = qk[:, :heads], qk[:, heads:]
+    if at is not None:
+        k_cache[:, :, at:at + n] = k
+        v_cache[:, :, at:at + n] = v.transpose(1, 2)
+    else:  # [B, n] (sequence, position) pairs
+        index = (torch.arange(B, device=x.device)[:, None, None], torch.arange(kv_heads, device=x.device)[:, None],
+                 cols[:, None])
+        k_cache.index_put_(index, k)
+        v_cache.index_put_(index, v.transpose(1, 2))
+    # grouped-query attention: the g query heads of a KV head become g x n query rows of that head
+    q = q.reshape(B, kv_heads, heads // kv_heads * n, hd)
+    out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask)
+    out = out.reshape(B, heads, n, hd).transpose(1, 2).reshape(B, n, qd)
+    x = x + layer.o(out)
+    h = _rms_norm(x, layer.post_norm)
+    gate, up = layer.gate_up(h).chunk(2, dim=-1)
+    return x + layer.down(layer.act(gate) * up)
 
 
 class KVCache:
@@ -186,13 +226,37 @@ class StaticDecoder:
         inner = model.model
         self.embed, self.final_norm = inner.embed_tokens, inner.norm
         self.lm_head = _Projection([model.lm_head], model.dtype)
-        self.act = ACT2FN[c.hidden_act]
-        self.layers = [_Layer(layer, model.dtype) for layer in inner.layers]
+        self.shape = (self.heads, self.kv_heads, self.head_dim)
+        self.layers = [_Layer(layer, model.dtype, ACT2FN[c.hidden_act]) for layer in inner.layers]
         self.dtype, self.device = model.dtype, model.device
         self.rotary = inner.rotary_emb
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._rope_table(capacity)
         self.cache = self.new_cache(1, capacity)
+        self.compiled_layer, self.compiled_weights, self.compiled_rows = None, [], 0
+
+    def compile(self) -> None:
+        """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, compiled here:
+        those of the 4-bit kernel, from one row to DENSE_ROWS - 1 (the packed dense copy's products, prefills
+        included, stay eager: inductor lowers oneDNN-packed products only for weights it froze itself). Raises
+        ValueError for a model whose layers have no compiled form, or whose activation is not SiLU."""
+        if self.config.hidden_act != "silu":
+            raise ValueError(f"the compiled layer has SiLU gates only, not {self.config.hidden_act}")
+        self.compiled_weights = [layer_weights(layer) for layer in self.layers]
+        self.compiled_layer = compile_layer(self.shape, self.layers[0].in_norm.variance_epsilon)
+        self.compiled_rows = DENSE_ROWS.get(self.dtype, 6) - 1
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile now what decoding will run (one row, and a few with a mask, each at two lengths so that the
+        lengths become symbolic), not in the first timed round; the single-sequence cache is scratch until the
+        next prefill. Batches compile on first use."""
+        cache = self.cache  # its capacity, as decoding will see it; prefill overwrites what this leaves
+        for n in (1, 2, 3):
+            for start in (16, 17):
+                ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+                positions = torch.arange(start, start + n, device=self.device)[None]
+                self.forward_batch(cache, 0, ids, positions, [start], None, logits_at=slice(-1, None))
 
     @torch.no_grad()
     def _rope_table(self, length: int) -> None:
@@ -230,14 +294,12 @@ class StaticDecoder:
         end = max(starts) + n
         cache.reserve(end, keep=max(starts))
         g = self.heads // self.kv_heads
-        hd, qd, kvd = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
         self._rope_table(end)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, n, head_dim]
         slots = slice(first_slot, first_slot + B)
         even = all(s == starts[0] for s in starts)  # one start: slices; else one indexed write per layer
-        if not even:
-            rows = torch.arange(first_slot, first_slot + B, device=ids.device)[:, None]
-            cols = torch.tensor(starts, device=ids.device)[:, None] + torch.arange(n, device=ids.device)
+        # where each sequence's tokens go in its cache: [B, n] positions (the compiled layer always writes by index)
+        cols = torch.tensor(starts, device=ids.device)[:, None] + torch.arange(n, device=ids.device)
         mask = None
         if n > 1 or not even:  # each sequence sees its own cache; within the block, causal or its tree's ancestors
             inner = allowed if allowed is not None else torch.ones(B, n, n, dtype=torch.bool,
@@ -247,34 +309,19 @@ class StaticDecoder:
             if even:
                 mask[:, :, starts[0]:end] = inner
             else:
-                mask[rows - first_slot, :, cols] = inner.transpose(1, 2)
+                mask[torch.arange(B, device=ids.device)[:, None], :, cols] = inner.transpose(1, 2)
             mask = mask.repeat(1, g, 1)[:, None]  # query rows are (group member, token)
         x = self.embed(ids)
         kept = {-1: x} if -1 in taps else {}  # layer -1: the embeddings (HF's hidden_states[0])
+        # the compiled layer for the few rows of decoding and small trees; more rows, prefills too, stay eager
+        compiled = B * n <= self.compiled_rows
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.in_norm)
-            qkv = layer.qkv(h)
-            qk = qkv[..., :qd + kvd].view(B, n, self.heads + self.kv_heads, hd)
-            v = qkv[..., qd + kvd:].view(B, n, self.kv_heads, hd)
-            if layer.q_norm is not None:
-                qk = torch.cat([layer.q_norm(qk[:, :, :self.heads]), layer.k_norm(qk[:, :, self.heads:])], dim=2)
-            qk = _rotate(qk.transpose(1, 2), cos, sin)  # q and k heads in one rotation: half the small ops
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
-            if even:
-                cache.k[i, slots, :, starts[0]:end] = k
-                cache.v[i, slots, :, starts[0]:end] = v.transpose(1, 2)
-            else:  # [B, n] (slot, position) pairs
-                cache.k[i][rows, :, cols] = k.transpose(1, 2)
-                cache.v[i][rows, :, cols] = v
-            # grouped-query attention: the g query heads of a KV head become g x n query rows of that head
-            q = q.reshape(B, self.kv_heads, g * n, hd)
-            out = F.scaled_dot_product_attention(q, cache.k[i, slots, :, :end], cache.v[i, slots, :, :end],
-                                                 attn_mask=mask)
-            out = out.reshape(B, self.heads, n, hd).transpose(1, 2).reshape(B, n, qd)
-            x = x + layer.o(out)
-            h = _rms_norm(x, layer.post_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(self.act(gate) * up)
+            if compiled:
+                x = self.compiled_layer(x, cos, sin, cache.k[i, slots], cache.v[i, slots], end, cols, mask,
+                                        *self.compiled_weights[i])
+            else:
+                x = decoder_layer(layer, self.shape, x, cos, sin, cache.k[i, slots], cache.v[i, slots], end,
+                                  starts[0] if even else None, cols, mask)
             if i in taps:  # as HF's hidden_states[i + 1], which for the last layer is after the final norm
                 kept[i] = _rms_norm(x, self.final_norm) if i == len(self.layers) - 1 else x
         if len(kept) != len(set(taps)):

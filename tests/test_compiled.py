@@ -1,0 +1,119 @@
+"""The compiled decoder layer (`models/compiled_layer.py`, `--compile`) against the eager reference
+(`static_decoder.decoder_layer`): the same logits within fp32 rounding for trees, batches and every row count it
+takes, the same tokens for every method, few graphs, and a clear refusal where it has no compiled form."""
+
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from treeflash import DraftTree, Target, generate
+from treeflash.batching import BatchTarget
+from treeflash.drafters import make_drafter
+from treeflash.models.static_decoder import DENSE_ROWS
+from treeflash.target import TargetError
+
+from conftest import OracleTreeDrafter, tiny_target
+from test_int4 import BF16_LOGIT_ATOL, FP32_ATOL, WIDE, int4_tiny
+from test_lossless import repetitive_prompt
+from test_target import check_tree_logits, random_tree
+
+# the compiled layer's attention is two fp32 matrix products and a softmax, SDPA's another summation order
+COMPILED_FP32_ATOL = 5 * FP32_ATOL
+
+
+@pytest.fixture(scope="module")
+def compiled() -> Target:
+    """A tiny random Llama whose fused projections run on the int4 kernel (fp32 activations), compiled."""
+    target = int4_tiny("llama", **WIDE)
+    assert target.compile("on") and target.compiled
+    return target
+
+
+def eager_logits(target: Target, prompt: list[int], tree: DraftTree) -> torch.Tensor:
+    with target.eager():
+        target.prefill(prompt)
+        out = target.verify(tree).logits
+        target.discard()
+    return out
+
+
+def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled):
+    rng = random.Random(0)
+    assert compiled.fast.compiled_rows == DENSE_ROWS[torch.float32] - 1
+    for n in range(1, compiled.fast.compiled_rows + 3):  # past the last compiled row count: eager again
+        prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
+        tree = random_tree(rng, 96, n)
+        compiled.prefill(prompt)
+        out = compiled.verify(tree).logits
+        compiled.discard()
+        torch.testing.assert_close(out, eager_logits(compiled, prompt, tree), atol=COMPILED_FP32_ATOL, rtol=0)
+        check_tree_logits(compiled, prompt, tree, atol=COMPILED_FP32_ATOL)  # against its own sequential steps
+
+
+def test_compiled_batches_equal_eager_ones(compiled):
+    """Uneven lengths (indexed cache writes, masks for single tokens) and mixed tree sizes, over several rounds."""
+    rng = random.Random(1)
+    histories = [repetitive_prompt(rng, 96, n) for n in (7, 19, 12)]
+    batches = [BatchTarget(compiled, max_batch=3, capacity=64) for _ in range(2)]
+    with compiled.eager():
+        for h in histories:
+            batches[1].add(h)
+    for h in histories:
+        batches[0].add(h)
+    for _ in range(3):
+        sizes = [rng.choice([1, 1, 2, 3]) for _ in histories]  # B * n within the compiled rows
+        trees = [random_tree(rng, 96, n) for n in sizes]
+        outs = batches[0].verify(trees)
+        assert len(trees) * max(sizes) <= compiled.fast.compiled_rows  # this ran compiled
+        with compiled.eager():
+            refs = batches[1].verify(trees)
+        paths = [tree.path_to(rng.randrange(len(tree))) for tree in trees]
+        for out, ref in zip(outs, refs):
+            torch.testing.assert_close(out.logits, ref.logits, atol=COMPILED_FP32_ATOL, rtol=0)
+        for batch in batches:
+            batch.commit(paths)
+
+
+def test_methods_on_a_compiled_target_give_the_eager_greedy_tokens(compiled):
+    rng = random.Random(2)
+    prompt = repetitive_prompt(rng, 96)
+    with compiled.eager():
+        ar = generate(compiled, make_drafter("ar"), prompt, max_new_tokens=40).tokens
+    assert generate(compiled, make_drafter("ar"), prompt, max_new_tokens=40).tokens == ar
+    for budget in (2, 4):  # trees the compiled layer verifies
+        assert generate(compiled, make_drafter("pld"), prompt, 40, budget=budget).tokens == ar
+        assert generate(compiled, OracleTreeDrafter(ar, len(prompt), 96), prompt, 40, budget=budget).tokens == ar
+
+
+def test_new_lengths_do_not_recompile(compiled):
+    """After the warm-up, lengths are symbolic: a long decode compiles nothing more."""
+    prompt = repetitive_prompt(random.Random(3), 96)
+    generate(compiled, make_drafter("ar"), prompt, max_new_tokens=4)
+    graphs = counters["stats"]["unique_graphs"]
+    generate(compiled, make_drafter("ar"), prompt[:9], max_new_tokens=60)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_targets_without_a_compiled_form_stay_eager_or_are_refused():
+    dense, qwen3 = tiny_target("llama"), int4_tiny("qwen3")
+    for target in (dense, qwen3, tiny_target("llama", runtime="hf")):
+        assert not target.compile("auto") and not target.compiled
+        with pytest.raises(TargetError, match="compile on"):
+            target.compile("on")
+    assert not dense.compile("off")
+
+
+@pytest.mark.real
+def test_smollm2_compiled_stays_within_bf16_rounding_of_eager():
+    """The embedded Q4_1 target as the command line runs it (bf16, the GGUF's blocks, compiled) against its eager
+    layers: the same model, another rounding (bf16 attention and norms fused otherwise)."""
+    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", compile="on")
+    assert target.compiled
+    ids = target.encode_prompt("What is 7 times 8? Answer briefly.")
+    for tree in (DraftTree.chain(ids[-1]), DraftTree.chain(ids[-1], [28, 29, 30])):
+        target.prefill(ids[:-1])
+        out = target.verify(tree).logits
+        target.discard()
+        torch.testing.assert_close(out, eager_logits(target, ids[:-1], tree), atol=BF16_LOGIT_ATOL, rtol=0)
