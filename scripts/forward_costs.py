@@ -1,10 +1,10 @@
 """Where a round's time goes on the default target, per verified row count, against the products' floor.
 
 For n verified tokens (a chain and a bushy tree): the target's verify (forward, no accept / commit) on the GGUF's
-int4 kernels and on the dense bf16 weights, and the products alone (every int4 product of one forward at n rows,
-timed back to back: what the forward cannot go below with these kernels). Then one drafting round of each block
-drafter (its forward and tree at B = 8, without and with the catch-up of 16 new positions), and the round's
-bookkeeping (tree, mask, acceptance, commit) on the int4 runtime.
+int4 kernels (eager, and compiled: `--compile`), on the dense bf16 weights, and the products alone (every int4
+product of one forward at n rows, timed back to back: what the forward cannot go below with these kernels). Then
+one drafting round of each block drafter (its forward and tree at B = 8, without and with the catch-up of 16 new
+positions), and the round's bookkeeping (tree, mask, acceptance, commit) on the int4 runtime.
 
     .venv/bin/python scripts/forward_costs.py [--out costs.json]
 """
@@ -69,6 +69,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     int4 = Target.load(dtype="bfloat16")  # the command line's default here: the GGUF's own blocks
+    compiled = Target.load(dtype="bfloat16", compile="on")  # ... and its default compiled layer
     dense = Target.load(dtype="bfloat16", quantize="none")
     assert isinstance(int4.fast.lm_head.int4, Int4Linear)
     prompt = int4.encode_prompt("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
@@ -79,6 +80,8 @@ def main() -> None:
         chain = DraftTree.chain(context[-1], context[:n - 1])
         row = {"rows": n, "int4_chain_ms": verify_ms(int4, context[:-1], chain),
                "int4_tree_ms": verify_ms(int4, context[:-1], bushy(context[-1], n)),
+               "int4_compiled_chain_ms": verify_ms(compiled, context[:-1], chain),
+               "int4_compiled_tree_ms": verify_ms(compiled, context[:-1], bushy(context[-1], n)),
                "dense_bf16_chain_ms": verify_ms(dense, context[:-1], chain),
                "int4_products_ms": products_ms(int4, n)}
         rows.append(row)
@@ -119,7 +122,7 @@ def main() -> None:
         path, _ = accept(tree, logits, Sampling())
         int4.fast.cache.gather(0, int4.length, torch.tensor(path) + int4.length)
     book = timed(bookkeeping)
-    ar_step = rows[0]["int4_chain_ms"]
+    ar_step = rows[0]["int4_compiled_chain_ms"]  # the command line's AR step
     report = {"verify": rows, "lm_head_ms": head_ms, "drafting": drafting, "bookkeeping_9_nodes_ms": book,
               "ar_step_ms": ar_step, "threads": torch.get_num_threads(), "weights": int4.weights.as_dict()}
     print(f"AR step (1-row verify) {ar_step:.2f} ms; bookkeeping of a 9-node round {book:.2f} ms; LM head "

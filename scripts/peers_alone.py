@@ -27,7 +27,7 @@ def main() -> None:
         from treeflash.drafters import make_drafter
         from treeflash.engine import generate
 
-        target = Target.load(dtype="auto")
+        target = Target.load(dtype="auto", compile="auto")  # as the command line runs it
         drafter = make_drafter("ar", target)
         encoded = [target.encode_prompt(x) for x in prompts]
         generate(target, drafter, encoded[0], 8)  # warm-up, as bench does

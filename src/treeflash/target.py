@@ -127,6 +127,12 @@ def _dequantised_copy(gguf: Path) -> Path:
     return folder
 
 
+def _inductor_cache() -> None:
+    """Compiled layers are cached beside the dequantised targets (kept across reboots, unlike inductor's default
+    under /tmp), unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
 def gguf_file(name_or_path: str) -> Path | None:
     """The GGUF file behind an embedded name or a .gguf path; None for other targets."""
     if name_or_path in EMBEDDED:
@@ -199,12 +205,18 @@ class Target:
             return self.compiled
         if why:
             raise TargetError(f"compile on: {why}")
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))  # kept across starts
+        _inductor_cache()
         try:
             self.fast.compile()
         except ValueError as err:  # layers without a compiled form (dense products, q/k norms, ...)
             if mode == "on":
                 raise TargetError(f"compile on: {err}") from None
+            return self.compiled
+        except Exception as err:  # the toolchain failed (a compiler without Python's headers, ...): auto stays eager
+            first = (str(err) or type(err).__name__).splitlines()[0]
+            if mode == "on":
+                raise TargetError(f"compile on: torch.compile failed: {first}") from err
+            log.warning("compile auto: torch.compile failed, decoding eager: %s", first)
             return self.compiled
         self.compiled = True
         return True
@@ -222,6 +234,8 @@ class Target:
         CPU; about 10 s at the first start, cached on disk after), on always, off never (the eager reference)."""
         if quantize not in QUANTIZE:
             raise TargetError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE)}")
+        if compile != "off":
+            _inductor_cache()  # before loading: inductor fixes its folder the first time anything asks for it
         device = default_device(device)
         torch_dtype = resolve_dtype(dtype, device)
         gguf = gguf_file(name_or_path)

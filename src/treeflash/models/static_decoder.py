@@ -245,7 +245,11 @@ class StaticDecoder:
         self.compiled_weights = [layer_weights(layer) for layer in self.layers]
         self.compiled_layer = compile_layer(self.shape, self.layers[0].in_norm.variance_epsilon)
         self.compiled_rows = DENSE_ROWS.get(self.dtype, 6) - 1
-        self._warm_up()
+        try:
+            self._warm_up()
+        except Exception:  # inductor could not build it here: stay eager
+            self.compiled_layer, self.compiled_weights, self.compiled_rows = None, [], 0
+            raise
 
     def _warm_up(self) -> None:
         """Compile now what decoding will run (one row, and a few with a mask, each at two lengths so that the
