@@ -231,7 +231,8 @@ class Target:
         (a different model: speculation stays exact with respect to it), auto and none leave them dense. Under
         dtype auto on a CPU without native bf16, a GGUF target's activations are fp32 and its 4-bit products
         multiply in bf16. `compile`: auto compiles the decoding layers where that is fast (a 4-bit target on the
-        CPU; about 10 s at the first start, cached on disk after), on always, off never (the eager reference)."""
+        CPU; about 35 s at the first start on 2 cores, cached on disk after), on always, off never (the eager
+        reference)."""
         if quantize not in QUANTIZE:
             raise TargetError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE)}")
         if compile != "off":

@@ -3,8 +3,8 @@ layer, the graph every layer shares.
 
 Eager, a decoding step of SmolLM2 spends about as long dispatching the small ops around its 4-bit products (norms,
 RoPE, cache writes, attention) as in the products. Compiled, those ops fuse into a few C++ loops around the
-products and no Python runs between them; attention is two matrix products and a fused softmax (SDPA's CPU kernel
-costs more at decoding's sizes). The layer takes its weights as plain tensors, so dynamo's guards are few and
+products and no Python runs between them; attention is two fused reductions around a softmax (SDPA's CPU
+kernel costs more at decoding's sizes). The layer takes its weights as plain tensors, so dynamo's guards are few and
 cheap (they run on every call). Shapes (rows, context length, batch) become symbolic after their first change, so
 it compiles a handful of graphs; inductor caches them on disk (TORCHINDUCTOR_CACHE_DIR).
 
