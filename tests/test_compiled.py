@@ -134,7 +134,7 @@ def test_a_failing_toolchain_leaves_auto_eager(monkeypatch):
         def layer(*args):
             raise RuntimeError("C++ compile error\nPython.h: No such file or directory")
         return layer
-    monkeypatch.setattr("treeflash.models.static_decoder.compile_layer", broken)
+    monkeypatch.setattr("treeflash.models.compiled_layer.compile_layer", broken)
     target = int4_tiny("llama", **WIDE)
     assert not target.compile("auto") and not target.compiled and target.fast.compiled_rows == 0
     prompt = repetitive_prompt(random.Random(4), 96)

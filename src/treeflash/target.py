@@ -186,8 +186,12 @@ class Target:
             raise TargetError(f"no static runtime for {name}: {reason}; use runtime hf")
         self.fast = StaticDecoder(model) if runtime != "hf" and reason is None else None
         self.runtime = "static" if self.fast else "hf"
-        self.compiled = False
         self.compile(compile)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the static runtime's decoding layers run compiled (`compile`)."""
+        return self.fast is not None and self.fast.compiled_layer is not None
 
     def compile(self, mode: str = "on") -> bool:
         """Compile the static runtime's decoding layers (`StaticDecoder.compile`) as `mode` asks (auto: where
@@ -211,15 +215,12 @@ class Target:
         except ValueError as err:  # layers without a compiled form (dense products, q/k norms, ...)
             if mode == "on":
                 raise TargetError(f"compile on: {err}") from None
-            return self.compiled
         except Exception as err:  # the toolchain failed (a compiler without Python's headers, ...): auto stays eager
             first = (str(err) or type(err).__name__).splitlines()[0]
             if mode == "on":
                 raise TargetError(f"compile on: torch.compile failed: {first}") from err
             log.warning("compile auto: torch.compile failed, decoding eager: %s", first)
-            return self.compiled
-        self.compiled = True
-        return True
+        return self.compiled
 
     @classmethod
     def load(cls, name_or_path: str = DEFAULT_TARGET, dtype: str = "float32", device: str | None = None,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .int4 import GROUP
+from .static_decoder import _rotate
 
 
 def layer_weights(layer) -> tuple[torch.Tensor, ...]:
@@ -54,10 +55,8 @@ def compile_layer(shape: tuple[int, int, int], eps: float) -> Callable:
               gate_up, gate_up_sz, down, down_sz):
         B, n, _ = x.shape
         h = product(norm(x, in_norm), qkv, qkv_sz)
-        qk = h[..., :qd + kvd].view(B, n, heads + kv_heads, hd).transpose(1, 2)
+        qk = _rotate(h[..., :qd + kvd].view(B, n, heads + kv_heads, hd).transpose(1, 2), cos, sin)
         v = h[..., qd + kvd:].view(B, n, kv_heads, hd).transpose(1, 2)
-        half = hd // 2
-        qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # RoPE (rotate-half)
         q, k = qk[:, :heads], qk[:, heads:]
         # in place: a slice write of a graph input would copy the whole cache
         index = (torch.arange(B, device=x.device)[:, None, None], torch.arange(kv_heads, device=x.device)[:, None],

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from .compiled_layer import compile_layer, layer_weights
 from .int4 import Int4Linear
 from .packed import linear, pack, packed_linear
 
@@ -240,6 +239,8 @@ class StaticDecoder:
         those of the 4-bit kernel, from one row to DENSE_ROWS - 1 (the packed dense copy's products, prefills
         included, stay eager: inductor lowers oneDNN-packed products only for weights it froze itself). Raises
         ValueError for a model whose layers have no compiled form, or whose activation is not SiLU."""
+        from .compiled_layer import compile_layer, layer_weights  # (it imports this module's helpers)
+
         if self.config.hidden_act != "silu":
             raise ValueError(f"the compiled layer has SiLU gates only, not {self.config.hidden_act}")
         self.compiled_weights = [layer_weights(layer) for layer in self.layers]
