@@ -3,8 +3,8 @@
 For n verified tokens (a chain and a bushy tree): the target's verify (forward, no accept / commit) on the GGUF's
 int4 kernels (eager, and compiled: `--compile`), on the dense bf16 weights, and the products alone (every int4
 product of one forward at n rows, timed back to back: what the forward cannot go below with these kernels). Then
-one drafting round of each block drafter (its forward and tree at B = 8, without and with the catch-up of 16 new
-positions), and the round's bookkeeping (tree, mask, acceptance, commit) on the int4 runtime.
+one drafting round of each block drafter, eager and compiled (its forward and tree at B = 8, without and with the
+catch-up of 16 new positions), and the round's bookkeeping (tree, mask, acceptance, commit) on the int4 runtime.
 
     .venv/bin/python scripts/forward_costs.py [--out costs.json]
 """
@@ -91,24 +91,26 @@ def main() -> None:
 
     drafting = {}
     for method in ("dflash", "ddtree", "treeflash", "tfm"):
-        drafter = make_drafter(method, int4)
-        out = int4.prefill(context[:-16], taps=drafter.taps)
-        drafter.reset()
-        tokens = context[:-16] + [context[-16]]
-        drafter.propose(tokens, out.hidden, 8)
-        warm = timed(lambda: drafter.propose(tokens, None, 8))
-        # with the catch-up of 16 committed positions (what a probe after AR steps pays): fresh contexts
-        feats = int4.prefill(context[:-1], taps=drafter.taps).hidden
-
-        def caught_up():
+        drafting[method] = {}
+        for prefix, target in (("", int4), ("compiled_", compiled)):  # the drafter compiles with its target
+            drafter = make_drafter(method, target)
+            out = target.prefill(context[:-16], taps=drafter.taps)
             drafter.reset()
-            drafter.propose(context[:-16] + [context[-16]], feats[:-15], 8)  # the context up to the catch-up
-            start = time.perf_counter()
-            drafter.propose(context, feats[-15:], 8)
-            return time.perf_counter() - start
-        caught_up()
-        catch = 1e3 * statistics.median([caught_up() for _ in range(REPEATS)])
-        drafting[method] = {"propose_ms": warm, "propose_after_15_new_positions_ms": catch}
+            tokens = context[:-16] + [context[-16]]
+            drafter.propose(tokens, out.hidden, 8)
+            warm = timed(lambda: drafter.propose(tokens, None, 8))
+            # with the catch-up of 16 committed positions (what a probe after AR steps pays): fresh contexts
+            feats = target.prefill(context[:-1], taps=drafter.taps).hidden
+
+            def caught_up():
+                drafter.reset()
+                drafter.propose(context[:-16] + [context[-16]], feats[:-15], 8)  # the context up to the catch-up
+                start = time.perf_counter()
+                drafter.propose(context, feats[-15:], 8)
+                return time.perf_counter() - start
+            caught_up()
+            catch = 1e3 * statistics.median([caught_up() for _ in range(REPEATS)])
+            drafting[method].update({f"{prefix}propose_ms": warm, f"{prefix}propose_after_15_new_positions_ms": catch})
         print(method, json.dumps(drafting[method]))
 
     # bookkeeping: a 9-node tree's mask, positions, acceptance and commit, without the forward
@@ -128,8 +130,10 @@ def main() -> None:
     print(f"AR step (1-row verify) {ar_step:.2f} ms; bookkeeping of a 9-node round {book:.2f} ms; LM head "
           + ", ".join(f"{n} rows {ms:.2f} ms" for n, ms in head_ms.items()))
     for method, d in drafting.items():
-        print(f"{method}: drafting round {d['propose_ms']:.2f} ms = {d['propose_ms'] / ar_step:.2f} x an AR step "
-              f"({d['propose_after_15_new_positions_ms']:.2f} ms after 15 new positions)")
+        for prefix, label in (("", "eager"), ("compiled_", "compiled")):
+            ms = d[f"{prefix}propose_ms"]
+            print(f"{method}: drafting round, {label} drafter, {ms:.2f} ms = {ms / ar_step:.2f} x an AR step "
+                  f"({d[f'{prefix}propose_after_15_new_positions_ms']:.2f} ms after 15 new positions)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

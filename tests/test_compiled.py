@@ -1,6 +1,7 @@
 """The compiled decoder layer (`models/compiled_layer.py`, `--compile`) against the eager reference
 (`static_decoder.decoder_layer`): the same logits within fp32 rounding for trees, batches and every row count it
-takes, the same tokens for every method, few graphs, and a clear refusal where it has no compiled form."""
+takes, the same tokens for every method, few graphs, and a clear refusal where it has no compiled form. The same
+for the drafter's compiled block forward (`models/compiled_block.py`) against `DFlashDrafter.hidden`."""
 
 import random
 import shutil
@@ -11,11 +12,14 @@ from torch._dynamo.utils import counters
 
 from treeflash import DraftTree, Target, generate
 from treeflash.batching import BatchTarget
-from treeflash.drafters import make_drafter
+from treeflash.drafters import block_drafter, make_drafter
+from treeflash.drafters.load import compiled_like
+from treeflash.models.dflash import ContextCache
 from treeflash.models.static_decoder import DENSE_ROWS
 from treeflash.target import TargetError
 
 from conftest import OracleTreeDrafter, tiny_target
+from test_dflash import tiny_drafter
 from test_int4 import BF16_LOGIT_ATOL, FP32_ATOL, WIDE, int4_tiny
 from test_lossless import repetitive_prompt
 from test_target import check_tree_logits, random_tree
@@ -141,3 +145,59 @@ def test_a_failing_toolchain_leaves_auto_eager(monkeypatch):
     assert len(generate(target, make_drafter("ar"), prompt, max_new_tokens=8).tokens) == 8
     with pytest.raises(TargetError, match="torch.compile failed: C\\+\\+ compile error"):
         target.compile("on")
+
+
+@pytest.fixture(scope="module")
+def compiled_drafter(compiled):
+    """A tiny random fp32 drafter of the compiled target, its block forward compiled as `make_drafter` does."""
+    model = compiled_like(compiled, tiny_drafter(compiled).eval())
+    assert model.compiled_block is not None
+    return model
+
+
+def draft_both(model, root: int, cache: ContextCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's drafted states, compiled and eager (the eager path writes scratch after the context only)."""
+    out = model.draft_states(root, len(cache), cache)
+    block, model.compiled_block = model.compiled_block, None
+    try:
+        return out, model.draft_states(root, len(cache), cache)
+    finally:
+        model.compiled_block = block
+
+
+@needs_compiler
+def test_compiled_block_equals_eager_over_contexts_that_grow(compiled_drafter):
+    """Context lengths and cache capacities it never saw (symbolic after the warm-up: no new graph)."""
+    model, rng = compiled_drafter, random.Random(5)
+    graphs = counters["stats"]["unique_graphs"]
+    cache = ContextCache(model, capacity=8)
+    for new in (2, 3, 9, 2, 30):  # 8 -> 16 -> 64: the buffers double as the context grows
+        taps = torch.randn(new, len(model.config.target_layer_ids), model.config.hidden_size)
+        with torch.no_grad():  # as decoding observes
+            cache.append(model.context_kv(model.fuse(taps), torch.arange(len(cache), len(cache) + new)))
+        out, ref = draft_both(model, rng.randrange(96), cache)
+        torch.testing.assert_close(out, ref, atol=COMPILED_FP32_ATOL, rtol=0)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_compiler
+def test_a_compiled_drafter_gives_the_greedy_tokens(compiled, compiled_drafter):
+    prompt = repetitive_prompt(random.Random(6), 96)
+    ar = generate(compiled, make_drafter("ar"), prompt, max_new_tokens=40).tokens
+    for method in ("dflash", "ddtree"):
+        drafter = block_drafter(compiled_drafter, method)
+        assert generate(compiled, drafter, prompt, 40, budget=4).tokens == ar
+
+
+def test_drafters_without_a_compiled_form_or_toolchain_draft_eager(compiled, monkeypatch, caplog):
+    learned_mask = tiny_drafter(compiled, mask_token_id=None)
+    assert compiled_like(compiled, learned_mask).compiled_block is None
+    assert compiled_like(tiny_target("llama"), tiny_drafter(compiled)).compiled_block is None  # target eager
+
+    def broken(config, dtype):
+        def forward(*args):
+            raise RuntimeError("C++ compile error\nPython.h: No such file or directory")
+        return forward
+    monkeypatch.setattr("treeflash.models.compiled_block.compile_block", broken)
+    model = compiled_like(compiled, tiny_drafter(compiled))
+    assert model.compiled_block is None and "drafting eager: C++ compile error" in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from ..models.checkpoint import DrafterError
@@ -16,6 +17,8 @@ from .block import BlockDrafter, block_drafter, drafting_dtype
 
 # drafters that ship with treeflash, by target name and kind
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+log = logging.getLogger(__name__)
+
 SHIPPED = {("smollm2-135m-instruct", "dflash"): CHECKPOINTS / "smollm2-135m-instruct-dflash",
            ("smollm2-135m-instruct", "treeflash"): CHECKPOINTS / "smollm2-135m-instruct-treeflash",
            ("smollm2-135m-instruct", "weaver"): CHECKPOINTS / "smollm2-135m-instruct-weaver"}
@@ -46,7 +49,21 @@ def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = 
     (`draft_vocab_size`: None: the config's, 0: every token), its products on packed weights (inference only)."""
     model = DFlashDrafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     model = model.attach(target.model).to(target.device)
-    return pack_linears(model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size)))
+    return compiled_like(target, pack_linears(model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size))))
+
+
+def compiled_like(target, model: DFlashDrafter) -> DFlashDrafter:
+    """The drafter's block forward compiled where the target's layers are (`--compile`): a round then costs its
+    products and little else. A drafter without a compiled form, or a toolchain that fails, drafts eager."""
+    if getattr(target, "compiled", False):
+        try:
+            model.compile_block()
+        except ValueError:
+            pass
+        except Exception as err:  # noqa: BLE001 (inductor's errors have no common type): drafting stays eager
+            log.warning("compile: the drafter's block forward did not compile, drafting eager: %s",
+                        (str(err) or type(err).__name__).splitlines()[0])
+    return model
 
 
 def load_block_drafter(method: str, target, path: str | Path | None = None,

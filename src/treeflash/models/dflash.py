@@ -74,6 +74,7 @@ class DFlashDrafter(nn.Module):
         self._head_cast: tuple | None = None  # (the head's weight, its cast rows, their packed copy or None)
         self.draft_vocab: torch.Tensor | None = None  # inference only: token ids the LM head scores (use_draft_vocab)
         self.backbone_folder: Path | None = None  # loaded as an AR layer over this DFlash folder (see save_pretrained)
+        self.compiled_block: tuple | None = None  # (the compiled block forward, its weights): `compile_block`
         self.apply(self._init)
         self.ar_layer = None
         if c.ar_layer:
@@ -128,6 +129,13 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the injected keys/values of fused context features ctx [C, H] at `positions` [C]."""
         return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
+
+    def block_tokens(self, root: int) -> torch.Tensor:
+        """The token ids [γ] of one block: the root, then mask tokens."""
+        c = self.config
+        tokens = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=self.fc.weight.device)
+        tokens[0] = root
+        return tokens
 
     def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [N * γ, H] of N blocks [token, mask x (γ-1)]."""
@@ -212,10 +220,32 @@ class DFlashDrafter(nn.Module):
     def draft_states(self, root: int, position: int, ctx_kv) -> torch.Tensor:
         """Inference: pre-norm states [γ - 1, H] of the drafted positions of the block after `root` (at
         `position`), given the cached context K/V."""
+        if self.compiled_block is not None and isinstance(ctx_kv, ContextCache) and position == len(ctx_kv):
+            forward, weights = self.compiled_block
+            return forward(self.block_tokens(root), position, ctx_kv.k, ctx_kv.v, *weights)[1:]
         device = self.fc.weight.device
         x = self.block_inputs(torch.tensor([root], device=device))
         positions = position + torch.arange(self.config.block_size, device=device)
         return self.hidden(x, positions, ctx_kv, None)[1:]
+
+    @torch.no_grad()
+    def compile_block(self) -> "DFlashDrafter":
+        """Run `draft_states` over a ContextCache through the compiled block forward (`compiled_block.py`) from
+        now on, compiled here, on a snapshot of the weights (inference only: call it again after they change).
+        Raises ValueError for a drafter without a compiled form; where inductor fails, the drafter stays eager and
+        the error propagates."""
+        from .compiled_block import block_weights, compile_block
+
+        self.compiled_block = None
+        weights = block_weights(self)
+        forward = compile_block(self.config, self.fc.weight.dtype)
+        # two context lengths and capacities now, so that both are symbolic before the first timed round (a
+        # context of one position, a one-token prompt's, keeps a graph of its own: dynamo specialises sizes of 1)
+        for capacity, length in ((None, 1), (64, 20)):
+            cache = ContextCache(self) if capacity is None else ContextCache(self, capacity)
+            forward(self.block_tokens(0), length, cache.k, cache.v, *weights)
+        self.compiled_block = (forward, weights)
+        return self
 
     @torch.no_grad()
     def draft_states_batch(self, roots: list[int], contexts: list[ContextCache]) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""The DFlash drafter's block forward, compiled: `torch.compile` (inductor, C++ wrapper) over its decoder layers for
+one block of one sequence, the forward of every drafting round.
+
+Eager, a round's forward over a 3-layer drafter runs about 40 small ops a layer (norms, q/k norms, RoPE, the
+cache write, SDPA) around seven products; compiled, they fuse into a few loops around the products. The weights
+are plain tensors passed in (q|k|v and gate|up concatenated: one product each), so the guards stay cheap and
+nothing is frozen: a drafter whose weights change is compiled again by `DFlashDrafter.compile`.
+
+The block attends to the context's cached K/V and to its own K/V as two score blocks under one softmax, so the
+cache is read, never written (the eager path writes the block's K/V after the context, as scratch).
+
+`DFlashDrafter.hidden` over a `ContextCache` is the eager reference; tests hold this one to it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .blocks import rope
+from .dflash_config import DFlashConfig
+
+
+def block_weights(model) -> tuple[torch.Tensor, ...]:
+    """A DFlash drafter's tensors in the compiled forward's order: the (target's) embedding, then per layer its
+    norms, q|k|v, q/k norms, o, gate|up and down. ValueError where it has no compiled form (a learned mask
+    embedding instead of a mask token, biases)."""
+    if model.config.mask_token_id is None:
+        raise ValueError("the compiled block needs a mask token (this drafter has a learned mask embedding)")
+    weights = [model.embed.weight.detach()]
+    for layer in model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(getattr(m, "bias", None) is not None for m in linears):
+            raise ValueError("the compiled block has no biases")
+        weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+                    a.q_norm.weight.detach(), a.k_norm.weight.detach(), a.o_proj.weight.detach(),
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.down_proj.weight.detach()]
+    return tuple(weights)
+
+
+def compile_block(c: DFlashConfig, dtype: torch.dtype) -> Callable:
+    """The compiled block forward of drafters shaped as config `c`, computing in `dtype`; called as
+    forward(tokens, ctx_len, k_cache, v_cache, *block_weights(model)) with the block's tokens [γ] (the root, then
+    mask tokens) and a `ContextCache`'s buffers holding the context in their first ctx_len positions. Returns the
+    block's final states before the final norm [γ, H], as `DFlashDrafter.hidden`."""
+    heads, kv_heads, hd, eps, theta = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                                       c.rope_theta)
+    qd, kvd, groups = heads * hd, kv_heads * hd, heads // kv_heads
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # in fp32, as blocks.RMSNorm
+        return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+
+    def forward(tokens, ctx_len: int, k_cache, v_cache, embed, *weights):
+        g = tokens.shape[0]
+        positions = ctx_len + torch.arange(g, device=tokens.device)
+        h = F.embedding(tokens, embed).to(dtype)
+        for i in range(len(weights) // 8):
+            in_norm, post_norm, qkv, q_norm, k_norm, o, gate_up, down = weights[8 * i: 8 * i + 8]
+            x = F.linear(norm(h, in_norm), qkv)
+            q = rope(norm(x[:, :qd].view(g, heads, hd), q_norm), positions, theta)
+            k = rope(norm(x[:, qd:qd + kvd].view(g, kv_heads, hd), k_norm), positions, theta)
+            v = x[:, qd + kvd:].view(g, kv_heads, hd)
+            # grouped-query attention: a KV head's query heads become rows; context and block as two score blocks
+            q = q.transpose(0, 1).reshape(kv_heads, groups * g, hd).float()
+            ctx_k, ctx_v = k_cache[i, :, :ctx_len].float(), v_cache[i, :, :ctx_len].float()
+            scores = torch.cat([q @ ctx_k.transpose(1, 2), q @ k.transpose(0, 1).float().transpose(1, 2)], dim=-1)
+            p = (scores * hd ** -0.5).softmax(-1)
+            out = p[..., :ctx_len] @ ctx_v + p[..., ctx_len:] @ v.transpose(0, 1).float()
+            out = out.to(dtype).reshape(heads, g, hd).transpose(0, 1).reshape(g, qd)
+            h = h + F.linear(out, o)
+            gate, up = F.linear(norm(h, post_norm), gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, down)
+        return h
+
+    return torch.compile(forward, options={"cpp_wrapper": True}, dynamic=None)
