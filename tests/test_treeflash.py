@@ -52,9 +52,27 @@ def test_ar_layer_runs_once_on_all_pairs_whatever_the_budget():
         calls.clear()
         drafter.observe(torch.randn(len(prompt), 2, 64))
         tree = drafter.propose(prompt + [5], None, budget)
-        # one call: (γ - 1) depths x M previous tokens, M = min(top_m, budget)
-        assert calls == [(7, min(5, budget), 64)]
+        # one call: the depths a tree of this budget can reach x M previous tokens, M = min(top_m, budget)
+        assert calls == [(min(7, budget), min(5, budget), 64)]
         assert tree.size == budget
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree", "treeflash", "tfm"])
+def test_builders_see_only_the_depths_a_tree_of_the_budget_reaches(method):
+    """`BlockDrafter.tree` hands the builder the first B depths of a B-node tree: the tree it would grow from all."""
+    from test_weaver import tiny_weaver
+
+    target = tiny_target("qwen3")
+    model = treeflash_drafter(target) if method == "treeflash" else tiny_drafter(target)
+    weaver = tiny_weaver(model) if method == "tfm" else None
+    drafter = block_drafter(model, method, top_m=4, weaver=weaver, width=2)
+    prompt = repetitive_prompt(random.Random(1), 96)
+    drafter.observe(torch.randn(len(prompt) - 1, 2, 64))
+    h = drafter.draft(prompt, None)
+    for budget in (1, 2, 3, 5, 12):
+        full, _ = drafter.builder(drafter, prompt, h, budget)
+        tree = drafter.tree(prompt, h, budget)
+        assert (tree.tokens, tree.parents) == (full.tokens, full.parents)
 
 
 def test_conditionals_depend_on_the_previous_token():

@@ -65,8 +65,10 @@ class BlockDrafter:
 
     @torch.no_grad()
     def tree(self, tokens: list[int], h: torch.Tensor, budget: int) -> DraftTree:
-        """The round's tree from the drafter's states h [γ - 1, H] of the block after the root tokens[-1]."""
-        tree, calls = self.builder(self, tokens, h, budget)
+        """The round's tree from the drafter's states h [γ - 1, H] of the block after the root tokens[-1]. A tree of
+        B draft nodes is at most B deep, so the builder sees the first B depths only: the same tree, and the
+        small trees of cost-aware speculation score, condition and weave a few depths instead of γ - 1."""
+        tree, calls = self.builder(self, tokens, h[:max(budget, 1)], budget)
         self.adapter_calls += calls
         return tree
 

@@ -206,6 +206,7 @@ class DFlash2Drafter(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered (nor saved)
         self.ar_layer = None  # none: the borrowed DFlash forward asks
+        self.compiled_block = None  # the borrowed draft_states asks: no compiled form (a scaled embedding)
 
     # ---- the target's modules: DFlashDrafter's (the same config fields and checks) -------------------------------
     attach = DFlashDrafter.attach
