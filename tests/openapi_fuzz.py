@@ -2,9 +2,10 @@
 
 Two in five requests fit their operation's schema (types, bounds, enums, required fields, nested models) and carry the
 `hints`: the values, by property or header name, that a random one would almost never hit (the served model's name,
-the API key); so they get past validation to the code behind it. The others are broken on purpose: one field of the
-wrong type, left out, or holding another value its schema allows (the hint's place taken by a random one); unknown
-fields; a body of another JSON type; bytes that are no JSON at all; a header of any value, or none.
+the API key); so they get past validation to the code behind it. The others are broken on purpose: somewhere inside
+the body a value of any JSON type, a field left out or an unknown one added; a top-level field holding another value
+its schema allows (the hint's place taken by a random one); a body of another JSON type; bytes that are no JSON at
+all; a header of any value, or none.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max
 class Operation:
     method: str
     path: str
-    headers: dict  # header name -> strategy of its value, or None (left out)
+    headers: dict  # header name -> its schema (every one documented is an optional string: any text is fuzzed)
     body: dict | None  # the request body's schema
 
 
