@@ -168,7 +168,8 @@ def test_generate_streams_and_prints_json(tiny_folder, capsys):
     (["generate", "hi", "--target", "missing.gguf"], "no such GGUF"),
     (["serve", "--max-queue", "0"], "max-queue"),
     (["serve", "--timeout", "0"], "timeout"),
-    (["serve", "--temperature", "-1"], "temperature"),
+    (["serve", "--default-temperature", "-1"], "temperature"),
+    (["serve", "--temperature", "0"], "--temperature"),  # a server's is the default of requests that name none
 ])
 def test_user_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -195,8 +196,11 @@ def test_serve_settings_and_the_open_address_warning(tiny_folder, monkeypatch, c
     assert main(["serve", "--target", tiny_folder, "--max-new-tokens", "7", "--max-queue", "3"]) == 0
     target, drafter, settings, budget, max_budget, max_queue, host, port, max_batch = calls[-1]
     assert (settings.model, settings.method, settings.api_key, settings.max_tokens) == (tiny_folder, "pld", None, 7)
+    assert settings.temperature == 1.0  # OpenAI's default
     assert (drafter.name, budget, max_queue, host, port, max_batch) == ("pld", "auto", 3, "127.0.0.1", 8000, 1)
     assert main(["serve", "--target", tiny_folder, "--max-batch", "4"]) == 0 and calls[-1][-1] == 4
+    assert main(["serve", "--target", tiny_folder, "--default-temperature", "0.3"]) == 0
+    assert calls[-1][2].temperature == 0.3
     assert "warning" not in capsys.readouterr().err
     assert main(["serve", "--target", tiny_folder, "--host", "0.0.0.0", "--served-model-name", "m"]) == 0
     assert calls[-1][2].model == "m" and "without an API key" in capsys.readouterr().err

@@ -104,6 +104,22 @@ def test_processed_distribution():
     assert Sampling(0.0).choose(logits).item() == 0
 
 
+def test_tiny_temperatures_and_top_ps():
+    """Found by fuzzing the server: a temperature or top_p of 1e-220 rounds to 0 in fp32, and the probabilities
+    became NaN. A positive temperature that small is refused; a top_p that small keeps the most likely token."""
+    from treeflash.verify import MIN_TEMPERATURE
+
+    for bad in (1e-220, MIN_TEMPERATURE / 2, float("nan"), -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            Sampling(bad)
+    logits = torch.tensor([[30.0, 29.0, -5.0]])
+    probs = Sampling(MIN_TEMPERATURE).probs(logits)
+    assert torch.isfinite(probs).all() and probs[0, 0] == 1
+    assert Sampling(MIN_TEMPERATURE).choose(logits).item() == 0
+    nucleus = Sampling(1.0, top_p=1e-220).probs(logits)  # a top_p that rounds to 0 keeps the most likely token
+    assert nucleus.tolist() == [[1.0, 0.0, 0.0]]
+
+
 @pytest.mark.parametrize("sampling", [Sampling(temperature=0.0), Sampling(temperature=1.0),
                                       Sampling(temperature=0.8, top_k=6, top_p=0.9)])
 def test_expected_accepted_is_the_mean_of_accept(sampling):

@@ -1,38 +1,50 @@
 """treeflash serve: the official openai client against a real uvicorn server on loopback.
 
 At T = 0 every method's answer equals plain decoding (`engine.generate` with the ar drafter); stop strings cut as
-OpenAI cuts them, streamed too; bad requests get OpenAI's error object; a full queue gets 429; a client that leaves
-stops its generation; shutdown finishes the request in flight.
+OpenAI cuts them, streamed too; bad requests get OpenAI's error object, listing every problem; requests fuzzed from
+the OpenAPI schema never get a 5xx; a full queue gets 429 with a Retry-After from the queue; a client that leaves
+stops its generation; shutdown finishes the request in flight. Nothing waits on the wall clock: the tests wait for
+events, with generous upper bounds, and deadlines run on a fake clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import socket
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
+from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from treeflash.cli import available_methods
 from treeflash.drafters import make_drafter
 from treeflash.engine import GenerationResult, generate
 from treeflash.serve.app import Settings, create_app
-from treeflash.serve.openai_api import APIError
+from treeflash.serve.openai_api import DEFAULT_TEMPERATURE, APIError
 from treeflash.serve.text import TextStream
 from treeflash.batching import BatchEngine
 from treeflash.serve.worker import BatchWorker, Job, QueueFull, Worker, engine_decoder
+from treeflash.target import Target, resolve
 from treeflash.verify import Sampling
+
+from openapi_fuzz import operations, requests
 
 MODEL = "smollm2-135m-instruct"
 TOKENS = 24
 QUESTION = "Name three prime numbers and say why each is prime."
 PROMPT = "The three laws of motion are"
 TARGET_LOCK = threading.Lock()  # the target holds one sequence: servers and references here take turns
+WAIT_S = 30  # the most any test waits for an event that should come at once: only a broken server reaches it
 
 
 @contextmanager
@@ -55,17 +67,23 @@ def running(app):
         assert not thread.is_alive()
 
 
-def serving(target, method: str = "ar", decode=None, max_queue: int = 16, **settings):
-    """A running server; `decode` replaces the engine (a fake that never touches the model)."""
-    if decode is None:
-        engine = engine_decoder(target, make_drafter(method, target), "auto", 16)
+def locked_engine(target, method: str = "ar"):
+    engine = engine_decoder(target, make_drafter(method, target), "auto", 16)
 
-        def decode(job):
-            with TARGET_LOCK:
-                return engine(job)
+    def decode(job):
+        with TARGET_LOCK:
+            return engine(job)
 
-    worker = Worker(decode, target.eos_ids, max_queue)
-    return running(create_app(target, worker, Settings(model=MODEL, method=method, **settings)))
+    return decode
+
+
+def serving(target, method: str = "ar", decode=None, max_queue: int = 16, clock=time.monotonic,
+            temperature: float = 0.0, **settings):
+    """A running server; `decode` replaces the engine (a fake that never touches the model). Requests that name
+    no temperature are greedy here, so that answers compare with plain decoding."""
+    worker = Worker(decode or locked_engine(target, method), target.eos_ids, max_queue)
+    settings = Settings(model=MODEL, method=method, temperature=temperature, **settings)
+    return running(create_app(target, worker, settings, clock=clock))
 
 
 def plain(target, prompt: list[int], tokens: int = TOKENS, **kwargs) -> list[int]:
@@ -75,6 +93,18 @@ def plain(target, prompt: list[int], tokens: int = TOKENS, **kwargs) -> list[int
 
 def client(url: str, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat() -> Target:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template: the server's own logic over a real engine,
+    a few ms per token."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve(MODEL))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    return Target(LlamaForCausalLM(config).float(), tokenizer, name="tiny-chat")
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +237,7 @@ BAD = [  # (endpoint, body, status, param)
     ("chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("chat/completions", {**CHAT, "temperature": 2.5}, 400, "temperature"),
     ("chat/completions", {**CHAT, "temperature": -0.1}, 400, "temperature"),
+    ("chat/completions", {**CHAT, "temperature": 1e-220}, 400, "temperature"),  # rounds to 0 in fp32
     ("chat/completions", {**CHAT, "top_p": 0}, 400, "top_p"),
     ("chat/completions", {**CHAT, "n": 2}, 400, "n"),
     ("chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
@@ -259,23 +290,127 @@ def test_api_key(smollm2):
         assert httpx.get(url + "/v1/models").status_code == 200
 
 
+def test_an_error_lists_every_problem_of_the_request(tiny_chat):
+    with serving(tiny_chat) as (url, _), httpx.Client(base_url=url + "/v1", timeout=WAIT_S) as http:
+        body = {**CHAT, "max_tokens": "2", "temperature": "hot", "messages": [{"role": "robot", "content": "Hi"}]}
+        error = http.post("chat/completions", json=body).json()["error"]
+        assert error["param"] == "max_tokens", error  # the first, in the order of the fields
+        for where in ("max_tokens: ", "temperature: ", "messages.0.role: "):
+            assert where in error["message"], error
+        error = http.post("chat/completions", json={**CHAT, "n": 2, "logprobs": True, "tools": [{}]}).json()["error"]
+        assert error["param"] == "n" and error["code"] == "unsupported_parameter", error
+        for name in ("n=2", "logprobs=True", "tools=[{}]"):
+            assert name in error["message"], error
+
+
+# ---- fuzzing every endpoint from its OpenAPI schema --------------------------------------------------------------
+FUZZ_EXAMPLES = 50  # requests per endpoint
+FUZZ_DEFAULT_TOKENS = 8  # what a fuzzed request that names no max_tokens gets: short, as the test must be
+KEY = "sekret"
+
+
+def test_fuzzed_requests_never_get_a_5xx_and_the_server_goes_on(tiny_chat):
+    """Requests built from the app's own OpenAPI schema, most of them broken on purpose (openapi_fuzz), against the
+    real engine on a tiny target behind an API key: each answer is below 500, a 4xx is OpenAI's error object, and
+    no stream carries a server error; afterwards a plain request still gets plain decoding's answer."""
+    worker = Worker(locked_engine(tiny_chat), tiny_chat.eos_ids)
+    app = create_app(tiny_chat, worker, Settings(model=MODEL, method="ar", api_key=KEY, max_tokens=FUZZ_DEFAULT_TOKENS))
+    openapi = app.openapi()
+    ops = operations(openapi)
+    assert {(op.method, op.path) for op in ops} == {("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+                                                    ("POST", "/v1/completions"), ("GET", "/health"),
+                                                    ("GET", "/metrics")}  # a new endpoint: fuzzed as well
+    hints = {"model": st.just(MODEL), "authorization": st.just(f"Bearer {KEY}")}
+    with running(app) as (url, _), httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        for op in ops:
+            @hypothesis_settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+            @given(request=requests(op, openapi, hints))
+            def answered(request):
+                answer = http.request(**request)
+                assert answer.status_code < 500, (request, answer.text)
+                assert '"type":"server_error"' not in answer.text, (request, answer.text)  # streamed errors too
+                if answer.status_code >= 400:
+                    assert set(answer.json()["error"]) == {"message", "type", "param", "code"}, answer.text
+
+            answered()
+        assert worker.thread.is_alive() and http.get("/health").json()["queue_depth"] == 0
+        ok = http.post("/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    expected = tiny_chat.decode(plain(tiny_chat, tiny_chat.encode_prompt(PROMPT, chat=False), 8))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == expected
+
+
+# ---- what a request leaves out, and tokenising ------------------------------------------------------------------
+def test_a_request_without_temperature_gets_the_server_default(tiny_chat):
+    """OpenAI's default of 1 unless the server sets another (`serve --default-temperature`); a request's own wins."""
+    prompt = tiny_chat.encode_prompt(PROMPT, chat=False)
+    sample = tiny_chat.decode(plain(tiny_chat, prompt, 8, sampling=Sampling(DEFAULT_TEMPERATURE), seed=7))
+    greedy = tiny_chat.decode(plain(tiny_chat, prompt, 8))
+    assert DEFAULT_TEMPERATURE == 1 and sample != greedy
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "seed": 7}
+    for default, expected in ((None, sample), (0.0, greedy)):  # Settings' own default, then a server's 0
+        chosen = {} if default is None else {"temperature": default}
+        worker = Worker(locked_engine(tiny_chat), tiny_chat.eos_ids)
+        with running(create_app(tiny_chat, worker, Settings(model=MODEL, method="ar", **chosen))) as (url, _):
+            texts = [httpx.post(url + "/v1/completions", json={**body, **own}, timeout=WAIT_S).json()["choices"][0]
+                     ["text"] for own in ({}, {"temperature": 0}, {"temperature": 1})]
+        assert texts == [expected, greedy, sample], default
+
+
+def test_tokenising_leaves_the_event_loop_free(tiny_chat):
+    """A prompt held in the tokenizer (until a gate opens) must not stop the server answering other requests."""
+    started, gate = threading.Event(), threading.Event()
+
+    class SlowTokenizer:  # the target, with a tokenizer that waits for the gate
+        def __getattr__(self, name):
+            return getattr(tiny_chat, name)
+
+        def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
+            started.set()
+            assert gate.wait(WAIT_S)
+            return tiny_chat.encode_prompt(text, chat)
+
+    with serving(SlowTokenizer(), decode=_fake(tiny_chat, threading.Event(), gate)) as (url, _), \
+            httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        answers: list[httpx.Response] = []
+        thread = threading.Thread(target=lambda: answers.append(http.post("/v1/completions", json=DONE)))
+        thread.start()
+        try:
+            assert started.wait(WAIT_S)  # the prompt is in the tokenizer, and stays there
+            # a blocked event loop would answer only once the tokenizer gave up waiting (WAIT_S)
+            assert http.get("/health", timeout=WAIT_S / 3).status_code == 200
+        finally:
+            gate.set()
+            thread.join(WAIT_S)
+        assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["text"] == " hello world"
+
+
 # ---- the queue, timeouts, clients that leave, shutdown ----------------------------------------------------------
-def _fake(target, started: threading.Event, gate: threading.Event, seen: list | None = None):
-    """A decoder that never touches the model: it waits for `gate`, then emits the tokens of "hello world"."""
+def _fake(target, started: threading.Event, gate: threading.Event, service_s: float = 0.0):
+    """A decoder that never touches the model: it waits for `gate`, then emits the tokens of "hello world" and says
+    that took `service_s` seconds."""
     def decode(job: Job) -> GenerationResult:
-        if seen is not None:
-            seen.append(job.prompt)
         started.set()
-        assert gate.wait(30)
+        assert gate.wait(WAIT_S)
         tokens = target.tokenizer(" hello world").input_ids
         for token in tokens:
             job.on_token(token)
-        return GenerationResult(tokens, 0.0)
+        return GenerationResult(tokens, prefill_s=service_s)
 
     return decode
 
 
-def _wait_until(condition, seconds: float = 30) -> None:
+class FakeClock:
+    """The server's clock for deadlines: it moves only when a test moves it."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _wait_until(condition, seconds: float = WAIT_S) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline
@@ -313,62 +448,129 @@ def test_worker_serves_in_order_behind_a_bounded_queue():
     asyncio.run(main())
 
 
-@pytest.mark.real
-def test_full_queue_answers_429_with_retry_after(smollm2):
+SERVICE_S = 2.5  # what the fake generations say they took
+
+
+def test_full_queue_answers_429_with_retry_after_from_the_queue(tiny_chat):
+    """Retry-After: the requests waiting times the recent mean service time, at least 1 s."""
     started, gate = threading.Event(), threading.Event()
-    with serving(smollm2, decode=_fake(smollm2, started, gate), max_queue=1) as (url, _):
-        with httpx.Client(base_url=url, timeout=60) as http:
-            results: list[httpx.Response] = []
-            threads = [threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=DONE)))
-                       for _ in range(2)]
-            threads[0].start()
-            assert started.wait(30)  # the first request decodes
-            threads[1].start()
-            _wait_until(lambda: http.get("/health").json()["queue_depth"] == 1)  # the second waits
-            busy = http.post("/v1/completions", json=DONE)
-            assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
-            assert busy.json()["error"]["code"] == "rate_limit_exceeded"
-            gate.set()
-            for t in threads:
-                t.join(30)
-            assert [r.status_code for r in results] == [200, 200]
-            assert results[0].json()["choices"][0]["text"] == " hello world"
-            assert 'treeflash_requests_total{code="429"} 1' in http.get("/metrics").text
+    with serving(tiny_chat, decode=_fake(tiny_chat, started, gate, SERVICE_S), max_queue=2) as (url, _):
+        with httpx.Client(base_url=url, timeout=WAIT_S) as http:
+            def fill_and_overflow() -> httpx.Response:
+                """One request decoding (held at the gate), two waiting: the next one is turned away."""
+                results: list[httpx.Response] = []
+                threads = [threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=DONE)))
+                           for _ in range(3)]
+                threads[0].start()
+                assert started.wait(WAIT_S)  # the first request decodes
+                for t in threads[1:]:
+                    t.start()
+                _wait_until(lambda: http.get("/health").json()["queue_depth"] == 2)  # the others wait
+                busy = http.post("/v1/completions", json=DONE)
+                gate.set()
+                for t in threads:
+                    t.join(WAIT_S)
+                assert [r.status_code for r in results] == [200] * 3
+                assert results[0].json()["choices"][0]["text"] == " hello world"
+                started.clear(), gate.clear()
+                return busy
+
+            first = fill_and_overflow()  # no generation has ended yet: nothing to estimate from
+            assert first.status_code == 429 and first.headers["retry-after"] == "1"
+            assert first.json()["error"]["code"] == "rate_limit_exceeded"
+            later = fill_and_overflow()  # three generations of SERVICE_S each have ended since
+            assert later.status_code == 429 and later.headers["retry-after"] == str(math.ceil(2 * SERVICE_S))
+            assert 'treeflash_requests_total{code="429"} 2' in http.get("/metrics").text
 
 
-@pytest.mark.real
-def test_timeout_ends_the_request_with_an_error(smollm2):
-    def slow(job: Job) -> GenerationResult:  # one token, then rounds until the deadline stops it
-        job.on_token(smollm2.tokenizer(" hi").input_ids[0])
-        _wait_until(job.should_stop)
+def test_retry_after_shares_the_wait_among_the_batch_slots():
+    engine = SimpleNamespace(slots=SimpleNamespace(max_batch=4))
+    for worker, expected in ((Worker(None, max_queue=8), 24), (BatchWorker(engine, max_queue=8), 6)):
+        worker.service_s.extend([3.0, 5.0])  # a mean of 4 s
+        for _ in range(6):
+            worker.queue.put_nowait(object())  # six waiting (never started: nothing takes them)
+        assert worker.retry_after() == expected
+
+
+TIMEOUT_S = 5.0  # on the fake clock
+
+
+def test_timeout_ends_the_request_with_an_error(tiny_chat):
+    clock, decoded = FakeClock(), []
+
+    def slow(job: Job) -> GenerationResult:  # one token, then rounds while the clock runs past the deadline
+        decoded.append(job)
+        job.on_token(tiny_chat.tokenizer(" hi").input_ids[0])
+        clock.now += TIMEOUT_S / 2
+        assert not job.should_stop(), "stopped before its --timeout"
+        clock.now += TIMEOUT_S
+        assert job.should_stop(), "went on past its --timeout"
         return GenerationResult([1], 0.0)
 
-    with serving(smollm2, decode=slow, timeout=0.3) as (url, _):
-        answer = httpx.post(url + "/v1/completions", json=DONE, timeout=60)
+    with serving(tiny_chat, decode=slow, timeout=TIMEOUT_S, clock=clock) as (url, _):
+        answer = httpx.post(url + "/v1/completions", json=DONE, timeout=WAIT_S)
         assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout"
         with pytest.raises(openai.APIError, match="timeout"):
             list(client(url).completions.create(**DONE, stream=True))
+    assert len(decoded) == 2  # both timed out while decoding, none in the queue
 
 
-@pytest.mark.real
-def test_clients_that_leave_stop_their_generation(ar_server, reference, smollm2):
-    def completion_tokens() -> int:
-        metrics = httpx.get(ar_server + "/metrics").text
-        return int(next(line.split()[1] for line in metrics.splitlines()
-                        if line.startswith("treeflash_completion_tokens_total ")))
+PAUSE_AT = 4  # tokens a held generation makes before it waits for its client to leave
 
-    before = completion_tokens()
+
+def test_clients_that_leave_stop_their_generation(tiny_chat):
+    """The real engine, held after PAUSE_AT tokens until its request is cancelled: a client that leaves, streamed
+    or not, must cancel it, and the engine then stops at the next round."""
+    engine = locked_engine(tiny_chat)
+    holding, paused, ended, made = threading.Event(), threading.Event(), threading.Event(), []
+
+    def decode(job: Job) -> GenerationResult:
+        emit, count = job.on_token, [0]
+
+        def on_token(token: int) -> None:
+            emit(token)
+            count[0] += 1
+            if holding.is_set() and count[0] == PAUSE_AT:
+                paused.set()
+                if not job.cancelled.wait(WAIT_S):
+                    raise RuntimeError("never cancelled")  # ends the generation: `made` stays empty
+
+        job.on_token = on_token
+        try:
+            result = engine(job)
+            made.append(len(result.tokens))
+            return result
+        finally:
+            ended.set()
+
+    def left(leave) -> int:
+        """Tokens made by a request whose client leaves once its generation is held."""
+        holding.set(), paused.clear(), ended.clear(), made.clear()
+        leave()
+        assert ended.wait(2 * WAIT_S), "the held generation never ended"
+        assert made, "the client left, but its request was not cancelled"
+        return made[-1]
+
     long = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
-            "max_tokens": 2000}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", ar_server + "/v1/chat/completions", json={**long, "stream": True}) as events:
-            data = (line for line in events.iter_lines() if line.startswith("data:"))
-            assert all(next(data) for _ in range(3))  # three chunks read, then the client leaves
-        with pytest.raises(httpx.ReadTimeout):  # a non-streamed client that gives up
-            http.post(ar_server + "/v1/chat/completions", json=long, timeout=1.5)
-    answer = client(ar_server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS)
-    assert answer.choices[0].text == smollm2.decode(reference["completion"][1])
-    assert completion_tokens() - before < 2 * 400 + TOKENS  # neither ran its 2000 tokens
+            "max_tokens": 2000, "temperature": 0}
+    with serving(tiny_chat, decode=decode) as (url, _):
+        def streamed():
+            with httpx.stream("POST", url + "/v1/chat/completions", json={**long, "stream": True},
+                              timeout=WAIT_S) as events:
+                assert events.status_code == 200 and paused.wait(WAIT_S)  # then the client leaves mid-stream
+
+        def not_streamed():
+            body = json.dumps(long).encode()
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+                assert paused.wait(WAIT_S)  # then the client hangs up before any answer came
+
+        assert left(streamed) == PAUSE_AT and left(not_streamed) == PAUSE_AT  # not the 2000 asked for
+        holding.clear()
+        answer = client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)  # the server goes on
+        assert answer.choices[0].text == tiny_chat.decode(plain(tiny_chat, tiny_chat.encode_prompt(PROMPT, False), 8))
 
 
 @pytest.mark.real
@@ -412,7 +614,7 @@ def test_batched_server_answers_each_client_as_plain_decoding(smollm2, reference
     chat and completion, one that leaves early; every answer is plain decoding's, and shutdown drains the batch."""
     engine = BatchEngine(smollm2, make_drafter(method, smollm2), max_batch=3, budget=8)
     worker = BatchWorker(engine, smollm2.eos_ids)
-    app = create_app(smollm2, worker, Settings(model=MODEL, method=method))
+    app = create_app(smollm2, worker, Settings(model=MODEL, method=method, temperature=0.0))
     (_, chat_tokens), (_, raw_tokens) = reference["chat"], reference["completion"]
     with running(app) as (url, server):
         c = client(url)

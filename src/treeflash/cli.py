@@ -73,9 +73,9 @@ def _paths(text: str) -> list[str]:
 
 
 def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers: bool = False,
-                       paired: bool = False) -> None:
+                       paired: bool = False, serve: bool = False) -> None:
     """Decoding options; with `sweep` (bench, paired), --budget and --tfm-width take comma-separated lists, with
-    `weavers` (paired) --weaver too."""
+    `weavers` (paired) --weaver too; `serve` has --default-temperature for --temperature (requests name their own)."""
     from .engine import DEFAULT_MAX_BUDGET
     from .target import DEFAULT_TARGET
 
@@ -90,7 +90,14 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
                        + ("; a list such as auto,16,64 runs each" if sweep else ""))
         p.add_argument("--max-budget", type=_positive_int, default=DEFAULT_MAX_BUDGET,
                        help=f"the largest tree auto drafts ({DEFAULT_MAX_BUDGET})")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    if serve:
+        from .serve.openai_api import DEFAULT_TEMPERATURE
+
+        p.add_argument("--default-temperature", dest="temperature", type=float, default=DEFAULT_TEMPERATURE,
+                       help=f"the temperature of requests that leave it out ({DEFAULT_TEMPERATURE:g}, OpenAI's "
+                       "default; 0 = greedy)")
+    else:
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1 = off)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -148,7 +155,8 @@ def build_parser() -> Parser:
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
                         description="Requests that leave out max_tokens, temperature, top_p or seed get "
-                        "--max-new-tokens, --temperature (0: greedy), --top-p, and a seed drawn from --seed.")
+                        "--max-new-tokens, --default-temperature (1, as with OpenAI; 0: greedy), --top-p, and a seed "
+                        "drawn from --seed.")
     sv.add_argument("--method", default=None, choices=list(METHODS),
                     help="decoding method (default: treeflash with the shipped drafter, else ddtree, else pld)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
@@ -163,7 +171,7 @@ def build_parser() -> Parser:
     sv.add_argument("--timeout", type=_positive_float, default=600.0,
                     help="seconds from a request's arrival to the end of its answer (600)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --target)")
-    _add_decoding_args(sv)
+    _add_decoding_args(sv, serve=True)
 
     for name, text in (("bench", "compare methods on a dataset: tau, tokens/s, speedup, exactness"),
                        ("paired", "compare tree builders on one shared continuation (driven by the first "

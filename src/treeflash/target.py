@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -100,6 +101,9 @@ def embedded_gguf(name: str) -> Path:
     return Path(spec.submodule_search_locations[0]) / filename
 
 
+GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
+
+
 def _dequantised_copy(gguf: Path) -> Path:
     """Load a GGUF once, save the dequantised fp32 weights as safetensors, and return that folder.
 
@@ -108,9 +112,17 @@ def _dequantised_copy(gguf: Path) -> Path:
     folder = cache_dir() / "targets" / f"{gguf.stem}-{gguf.stat().st_size}"
     if (folder / "config.json").exists():
         return folder
+    with open(gguf, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise TargetError(f"{gguf} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
     log.warning("dequantising %s once into %s", gguf.name, folder)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError, struct.error, EOFError) as err:  # what transformers' reader raises on a bad file
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise TargetError(f"{gguf} is not a readable GGUF file (truncated or corrupted? {first})") from None
     # The weights are plain fp32 now; drop the GGUF quantisation marker so that save_pretrained accepts them.
     del model.config.quantization_config
     model.hf_quantizer = None

@@ -19,6 +19,11 @@ import torch
 from .tree import DraftTree
 
 
+# A positive temperature below this is refused: one that rounds to 0 in fp32, or makes logits / T overflow, would
+# give NaN probabilities; and any T this small samples the argmax anyway, save for exact ties.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0
@@ -26,8 +31,11 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                             f"{self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -48,6 +56,7 @@ class Sampling:
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
             drop = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
+            drop[..., 0] = False  # the most likely token crosses any top_p, even one that rounds to 0 in fp32
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
             probs = probs / probs.sum(-1, keepdim=True)

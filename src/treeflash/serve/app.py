@@ -1,8 +1,10 @@
 """The HTTP server: OpenAI's /v1/models, /v1/chat/completions and /v1/completions over one decoding Worker, with
 /health and /metrics beside them.
 
-Every mistake in a request gets a 4xx in OpenAI's error shape, never a crash; a full queue gets 429 with
-Retry-After. Answers carry OpenAI's `usage` and a `treeflash` object: method, tau, rounds, mean_tree_size.
+Every mistake in a request gets a 4xx in OpenAI's error shape (listing every problem the request has), never a
+crash; a full queue gets 429 with a Retry-After estimated from the queue. Prompts are tokenised on a thread of their
+own, so a long one never holds up the event loop. Answers carry OpenAI's `usage` and a `treeflash` object: method,
+tau, rounds, mean_tree_size.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import json
 import random
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -26,12 +30,12 @@ from ..batching import BatchEngine
 from ..engine import GenerationResult
 from ..verify import Sampling
 from .metrics import CONTENT_TYPE
-from .openai_api import APIError, ChatRequest, CompletionRequest, Reply, _Request, usage
+from .openai_api import DEFAULT_TEMPERATURE, APIError, ChatRequest, CompletionRequest, Reply, _Request, usage
 from .text import TextStream
 from .worker import BatchWorker, Finished, Job, QueueFull, Worker, engine_decoder
 
-RETRY_AFTER_S = 1  # a full queue: when to ask again
 DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
+MAX_LISTED_PROBLEMS = 20  # a request's validation problems named in its error message; the rest are counted
 
 
 @dataclass
@@ -42,23 +46,30 @@ class Settings:
     timeout: float = 600.0  # seconds from arrival to the end of the answer
     # what a request that names none gets
     max_tokens: int = 128
-    temperature: float = 0.0  # greedy: the text equals plain decoding's (OpenAI's default would be 1)
+    temperature: float = DEFAULT_TEMPERATURE  # OpenAI's (1); 0 makes the text plain greedy decoding's
     top_p: float = 1.0
     top_k: int = 0  # not an OpenAI field: the server's setting for every request
     seed: int = 0  # seeds the server's draws of the seeds of requests that name none
 
 
-def create_app(target, worker: Worker, settings: Settings) -> FastAPI:
+def create_app(target, worker: Worker, settings: Settings, clock: Callable[[], float] = time.monotonic) -> FastAPI:
     """The app for `target` (which only `worker`'s thread may use for decoding). The app starts the worker, and
-    on shutdown lets it finish the requests in flight."""
+    on shutdown lets it finish the requests in flight. `clock` measures the requests' deadlines (tests pass a fake
+    one)."""
     seeds = random.Random(settings.seed)
     started = int(time.time())
+    # one thread: a tokenizer need not be thread-safe; its own: tokenising a long prompt takes a while
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="treeflash-tokenize")
+
+    async def tokenize(encode, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, encode, *args)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.start()
         yield
         await asyncio.to_thread(worker.close)
+        tokenizing.shutdown()
 
     app = FastAPI(title="treeflash", lifespan=lifespan)
     app.add_middleware(CountStatus, metrics=worker.metrics)
@@ -96,14 +107,14 @@ def create_app(target, worker: Worker, settings: Settings) -> FastAPI:
         messages = [m.as_dict() for m in req.messages]
         if not any(m["content"].strip() for m in messages):
             raise APIError(400, "the messages are empty", param="messages")
-        return await answer(req, target.encode_chat(messages), "messages", request)
+        return await answer(req, await tokenize(target.encode_chat, messages), "messages", request)
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
         check(req)
         if not req.text.strip():
             raise APIError(400, "the prompt is empty", param="prompt")
-        return await answer(req, target.encode_prompt(req.text, chat=False), "prompt", request)
+        return await answer(req, await tokenize(target.encode_prompt, req.text, False), "prompt", request)
 
     def check(req: _Request) -> None:
         if req.model != settings.model:
@@ -119,17 +130,18 @@ def create_app(target, worker: Worker, settings: Settings) -> FastAPI:
         try:
             sampling = Sampling(_given(req.temperature, settings.temperature), settings.top_k,
                                 _given(req.top_p, settings.top_p))
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
+        except ValueError as err:  # a temperature too small to divide by (top_p and top_k are checked before)
+            raise APIError(400, str(err), param="temperature") from None
         seed = req.seed if req.seed is not None else seeds.randrange(1 << 63)
         job = Job(prompt, min(_given(req.limit, settings.max_tokens), context - len(prompt)), sampling, seed,
-                  TextStream(target.decode, req.stops), time.monotonic() + settings.timeout)
+                  TextStream(target.decode, req.stops), clock() + settings.timeout, clock=clock)
         try:
             worker.submit(job)
         except QueueFull:
-            raise APIError(429, f"the server is busy ({worker.depth} requests waiting); retry later",
+            wait = worker.retry_after()
+            raise APIError(429, f"the server is busy ({worker.depth} requests waiting); retry in {wait} s",
                            type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                           headers={"Retry-After": str(wait)}) from None
         reply = Reply(chat=isinstance(req, ChatRequest), model=settings.model, include_usage=req.include_usage)
         if req.stream:
             return StreamingResponse(_stream(job, reply, len(prompt), settings.method),
@@ -205,12 +217,18 @@ def _given(value, default):
 
 
 def _validation_error(err: RequestValidationError) -> APIError:
-    """FastAPI's 422 as OpenAI's 400: what was wrong, and where."""
-    first = err.errors()[0]
-    loc = [str(part) for part in first["loc"][1:]]  # after "body"
+    """FastAPI's 422 as OpenAI's 400: every problem of the request, each with where it is; `param` names the
+    field of the first."""
+    errors = err.errors()
+    first = errors[0]
     if first["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-    return APIError(400, f"{'.'.join(loc) or 'body'}: {first['msg']}", param=loc[0] if loc else None)
+    problems = list(dict.fromkeys(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: {e['msg']}" for e in errors))
+    listed = problems[:MAX_LISTED_PROBLEMS]
+    if len(problems) > len(listed):
+        listed.append(f"and {len(problems) - len(listed)} more problems")
+    loc = first["loc"][1:]  # after "body"
+    return APIError(400, "; ".join(listed), param=str(loc[0]) if loc else None)
 
 
 class CountStatus:

@@ -29,6 +29,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a request that leaves temperature out (`serve --default-temperature`)
+
+
 def _default(*values) -> Callable[[Any], bool]:
     """A test for "left out, or one of these values" (of the same type: True is not 1)."""
     return lambda value: value is None or any(value == v and type(value) is type(v) for v in values)
@@ -74,11 +77,15 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
 
     def check_supported(self) -> None:
-        for name, is_default in UNSUPPORTED.items():
-            value = (self.model_extra or {}).get(name)
-            if not is_default(value):
-                raise APIError(400, f"{name}={value!r} is not supported by treeflash serve; leave it out (one "
-                               f"choice of plain text per request)", param=name, code="unsupported_parameter")
+        """Every field asked for that this server cannot honour, in one error (`param`: the first)."""
+        extra = self.model_extra or {}
+        refused = [name for name, is_default in UNSUPPORTED.items() if not is_default(extra.get(name))]
+        if refused:
+            asked = ", ".join(f"{name}={extra[name]!r}" for name in refused)
+            one = len(refused) == 1
+            raise APIError(400, f"{asked} {'is' if one else 'are'} not supported by treeflash serve; leave "
+                           f"{'it' if one else 'them'} out (one choice of plain text per request)", param=refused[0],
+                           code="unsupported_parameter")
 
     @property
     def stops(self) -> list[str]:

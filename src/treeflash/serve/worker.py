@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,6 +27,9 @@ from .openai_api import APIError
 from .text import TextStream
 
 log = logging.getLogger(__name__)
+
+RECENT_JOBS = 16  # the finished generations whose mean service time estimates Retry-After
+MIN_RETRY_AFTER_S = 1
 
 
 class QueueFull(Exception):
@@ -49,7 +54,8 @@ class Job:
     sampling: Sampling
     seed: int | None
     text: TextStream
-    deadline: float  # time.monotonic() after which the request ends with a timeout error
+    deadline: float  # clock() after which the request ends with a timeout error
+    clock: Callable[[], float] = time.monotonic
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -60,7 +66,7 @@ class Job:
         self.cancelled.set()
 
     def should_stop(self) -> bool:
-        self.timed_out = self.timed_out or time.monotonic() > self.deadline
+        self.timed_out = self.timed_out or self.clock() > self.deadline
         return self.cancelled.is_set() or self.text.stopped or self.timed_out
 
     def on_token(self, token: int) -> None:
@@ -88,17 +94,28 @@ def engine_decoder(target, drafter, budget: int | str, max_budget: int) -> Decod
 
 
 class Worker:
+    slots = 1  # requests decoded at once
+
     def __init__(self, decode: Decode, eos_ids: frozenset[int] = frozenset(), max_queue: int = 16,
                  metrics: Metrics | None = None):
         self.decode, self.eos_ids = decode, eos_ids
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)  # None: the end
         self.metrics = metrics or Metrics()
         self.thread = threading.Thread(target=self._run, name="treeflash-decode", daemon=True)
+        # seconds each recent generation took (appended by the decoding thread; a deque's append is atomic)
+        self.service_s: deque[float] = deque(maxlen=RECENT_JOBS)
 
     @property
     def depth(self) -> int:
         """Requests waiting (the one decoding excluded)."""
         return self.queue.qsize()
+
+    def retry_after(self) -> int:
+        """Seconds a turned-away client should wait: until the requests waiting now have been served, at the recent
+        mean service time shared by the slots; at least MIN_RETRY_AFTER_S (also before any generation ended)."""
+        recent = list(self.service_s)
+        mean = sum(recent) / len(recent) if recent else 0.0
+        return max(MIN_RETRY_AFTER_S, math.ceil(self.depth * mean / self.slots))
 
     def start(self) -> None:
         self.thread.start()
@@ -150,6 +167,7 @@ class Worker:
         job.post("done", Finished(job.text.text, "stop" if stopped else "length", len(job.text.tokens), result))
 
     def _measure(self, job: Job, result: GenerationResult) -> None:
+        self.service_s.append(result.seconds)
         decode_s = result.seconds - result.prefill_s
         tpot = decode_s / (len(result.tokens) - 1) if len(result.tokens) > 1 else None
         self.metrics.generation(len(job.prompt), len(job.text.tokens), result.tau if result.rounds else None, tpot)
@@ -162,6 +180,7 @@ class BatchWorker(Worker):
                  metrics: Metrics | None = None):
         super().__init__(None, eos_ids, max_queue, metrics)
         self.engine = engine
+        self.slots = engine.slots.max_batch
 
     def _run(self) -> None:
         closing = False

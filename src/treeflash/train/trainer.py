@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from ..models.checkpoint import load_strict
+from ..models.checkpoint import DrafterError, load_strict
 from .losses import cosine_lr
 
 
@@ -62,10 +62,28 @@ def _permutation(seed: int, epoch: int, n: int) -> list[int]:
     return order
 
 
+CHECKPOINT_KEYS = ("model", "optim", "step")  # what a resume reads from checkpoint.pt
+
+
 def atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp")  # what a save cut short leaves: never read, replaced by the next save
     torch.save(obj, tmp)
     os.replace(tmp, path)  # a crash mid-save never leaves a broken checkpoint
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A run's checkpoint.pt; one that cannot be read (truncated or corrupted, or not a checkpoint at all) is a
+    one-line error naming it, never a traceback."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch raises several types here: RuntimeError, EOFError, UnpicklingError, ...
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DrafterError(f"{path} is not a readable training checkpoint (truncated or corrupted? {first}); "
+                           "delete it to start the run over, or use a new --out") from None
+    if not isinstance(state, dict) or not all(key in state for key in CHECKPOINT_KEYS):
+        raise DrafterError(f"{path} is not a treeflash training checkpoint (it needs {', '.join(CHECKPOINT_KEYS)}):"
+                           " use a new --out")
+    return state
 
 
 def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: list,
@@ -84,7 +102,7 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
 
     step, positions, ckpt = 0, 0, out / "checkpoint.pt"
     if resume and ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = read_checkpoint(ckpt)
         load_strict(model, state["model"], f"{ckpt} (a run of another model? use a new --out)")
         optim.load_state_dict(state["optim"])
         step = state["step"]
