@@ -15,10 +15,10 @@ from ..models.packed import pack_linears
 from ..models.weaver import Weaver
 from .block import BlockDrafter, block_drafter, drafting_dtype
 
-# drafters that ship with treeflash, by target name and kind
-CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 log = logging.getLogger(__name__)
 
+# drafters that ship with treeflash, by target name and kind
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED = {("smollm2-135m-instruct", "dflash"): CHECKPOINTS / "smollm2-135m-instruct-dflash",
            ("smollm2-135m-instruct", "treeflash"): CHECKPOINTS / "smollm2-135m-instruct-treeflash",
            ("smollm2-135m-instruct", "weaver"): CHECKPOINTS / "smollm2-135m-instruct-weaver"}
