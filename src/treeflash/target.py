@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .gdn.hybrid import HybridGDN
 from .models import int4
+from .models.checkpoint import error_line
 from .models.gguf_int4 import GGUFWeights, install as install_gguf
 from .models.static_decoder import StaticDecoder, unsupported_reason
 from .tree import DraftTree
@@ -121,8 +122,7 @@ def _dequantised_copy(gguf: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, struct.error, EOFError) as err:  # what transformers' reader raises on a bad file
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise TargetError(f"{gguf} is not a readable GGUF file (truncated or corrupted? {first})") from None
+        raise TargetError(f"{gguf} is not a readable GGUF file (truncated or corrupted? {error_line(err)})") from None
     # The weights are plain fp32 now; drop the GGUF quantisation marker so that save_pretrained accepts them.
     del model.config.quantization_config
     model.hf_quantizer = None
@@ -228,7 +228,7 @@ class Target:
             if mode == "on":
                 raise TargetError(f"compile on: {err}") from None
         except Exception as err:  # the toolchain failed (a compiler without Python's headers, ...): auto stays eager
-            first = (str(err) or type(err).__name__).splitlines()[0]
+            first = error_line(err)
             if mode == "on":
                 raise TargetError(f"compile on: torch.compile failed: {first}") from err
             log.warning("compile auto: torch.compile failed, decoding eager: %s", first)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..models.checkpoint import DrafterError
+from ..models.checkpoint import DrafterError, error_line
 
 from ..models.dflash import DFlashDrafter
 
@@ -55,14 +55,13 @@ def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = 
 def compiled_like(target, model: DFlashDrafter) -> DFlashDrafter:
     """The drafter's block forward compiled where the target's layers are (`--compile`): a round then costs its
     products and little else. A drafter without a compiled form, or a toolchain that fails, drafts eager."""
-    if getattr(target, "compiled", False):
+    if target.compiled:
         try:
             model.compile_block()
         except ValueError:
             pass
         except Exception as err:  # noqa: BLE001 (inductor's errors have no common type): drafting stays eager
-            log.warning("compile: the drafter's block forward did not compile, drafting eager: %s",
-                        (str(err) or type(err).__name__).splitlines()[0])
+            log.warning("compile: the drafter's block forward did not compile, drafting eager: %s", error_line(err))
     return model
 
 

@@ -18,6 +18,11 @@ class DrafterError(ValueError):
     """A drafter checkpoint that cannot be used (unreadable, or it does not fit the target)."""
 
 
+def error_line(err: BaseException) -> str:
+    """An exception's message as one line for a one-line error (its type where it has no message)."""
+    return (str(err) or type(err).__name__).splitlines()[0]
+
+
 def save_checkpoint(state: dict[str, torch.Tensor], config: dict, folder: str | Path, dtype: torch.dtype) -> None:
     """The save_pretrained layout: config.json and model.safetensors (weights cast to `dtype`)."""
     folder = Path(folder)

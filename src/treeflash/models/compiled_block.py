@@ -4,7 +4,7 @@ one block of one sequence, the forward of every drafting round.
 Eager, a round's forward over a 3-layer drafter runs about 40 small ops a layer (norms, q/k norms, RoPE, the
 cache write, SDPA) around seven products; compiled, they fuse into a few loops around the products. The weights
 are plain tensors passed in (q|k|v and gate|up concatenated: one product each), so the guards stay cheap and
-nothing is frozen: a drafter whose weights change is compiled again by `DFlashDrafter.compile`.
+nothing is frozen: a drafter whose weights change is compiled again by `DFlashDrafter.compile_block`.
 
 The block attends to the context's cached K/V and to its own K/V as two score blocks under one softmax, so the
 cache is read, never written (the eager path writes the block's K/V after the context, as scratch).

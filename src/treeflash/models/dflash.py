@@ -130,23 +130,21 @@ class DFlashDrafter(nn.Module):
         """Per layer, the injected keys/values of fused context features ctx [C, H] at `positions` [C]."""
         return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
 
-    def block_tokens(self, root: int) -> torch.Tensor:
-        """The token ids [γ] of one block: the root, then mask tokens."""
+    def block_tokens(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [N, γ] of N blocks [token, mask x (γ-1)]."""
         c = self.config
-        tokens = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=self.fc.weight.device)
-        tokens[0] = root
+        tokens = torch.full((len(first_tokens), c.block_size), c.mask_token_id, dtype=torch.long,
+                            device=first_tokens.device)
+        tokens[:, 0] = first_tokens
         return tokens
 
     def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [N * γ, H] of N blocks [token, mask x (γ-1)]."""
         c = self.config
-        n = first_tokens.shape[0]
         if c.mask_token_id is not None:
-            tokens = torch.full((n, c.block_size), c.mask_token_id, dtype=torch.long, device=first_tokens.device)
-            tokens[:, 0] = first_tokens
-            return self.embed(tokens).flatten(0, 1)
+            return self.embed(self.block_tokens(first_tokens)).flatten(0, 1)
         first = self.embed(first_tokens)[:, None]  # [N, 1, H]
-        masks = self.mask_embedding.to(first.dtype).expand(n, c.block_size - 1, -1)
+        masks = self.mask_embedding.to(first.dtype).expand(len(first_tokens), c.block_size - 1, -1)
         return torch.cat([first, masks], dim=1).flatten(0, 1)
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
@@ -220,11 +218,12 @@ class DFlashDrafter(nn.Module):
     def draft_states(self, root: int, position: int, ctx_kv) -> torch.Tensor:
         """Inference: pre-norm states [γ - 1, H] of the drafted positions of the block after `root` (at
         `position`), given the cached context K/V."""
+        device = self.fc.weight.device
+        roots = torch.tensor([root], device=device)
         if self.compiled_block is not None and isinstance(ctx_kv, ContextCache) and position == len(ctx_kv):
             forward, weights = self.compiled_block
-            return forward(self.block_tokens(root), position, ctx_kv.k, ctx_kv.v, *weights)[1:]
-        device = self.fc.weight.device
-        x = self.block_inputs(torch.tensor([root], device=device))
+            return forward(self.block_tokens(roots)[0], position, ctx_kv.k, ctx_kv.v, *weights)[1:]
+        x = self.block_inputs(roots)
         positions = position + torch.arange(self.config.block_size, device=device)
         return self.hidden(x, positions, ctx_kv, None)[1:]
 
@@ -241,9 +240,9 @@ class DFlashDrafter(nn.Module):
         forward = compile_block(self.config, self.fc.weight.dtype)
         # two context lengths and capacities now, so that both are symbolic before the first timed round (a
         # context of one position, a one-token prompt's, keeps a graph of its own: dynamo specialises sizes of 1)
-        for capacity, length in ((None, 1), (64, 20)):
-            cache = ContextCache(self) if capacity is None else ContextCache(self, capacity)
-            forward(self.block_tokens(0), length, cache.k, cache.v, *weights)
+        block = self.block_tokens(torch.zeros(1, dtype=torch.long, device=self.fc.weight.device))[0]
+        for cache, length in ((ContextCache(self), 1), (ContextCache(self, capacity=64), 20)):
+            forward(block, length, cache.k, cache.v, *weights)
         self.compiled_block = (forward, weights)
         return self
 

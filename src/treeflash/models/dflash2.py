@@ -215,16 +215,15 @@ class DFlash2Drafter(nn.Module):
 
     # ---- forward pieces (DFlashDrafter's where the arithmetic is the same, see there) --------------------------
     fuse = DFlashDrafter.fuse
+    block_tokens = DFlashDrafter.block_tokens
     context_kv = DFlashDrafter.context_kv
     forward = DFlashDrafter.forward  # training: the block states of many anchors over one sequence's context
 
     def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [N * γ, H] of N blocks [token, mask x (γ-1)]: the target's raw embedding rows (as the
         reference: an embedding module that scales itself is bypassed) times input_embedding_scale."""
-        tokens = torch.full((len(first_tokens), self.config.block_size), self.config.mask_token_id,
-                            dtype=torch.long, device=first_tokens.device)
-        tokens[:, 0] = first_tokens
-        return F.embedding(tokens, self.embed.weight).flatten(0, 1) * self.dflash2.input_embedding_scale
+        return F.embedding(self.block_tokens(first_tokens), self.embed.weight).flatten(0, 1) \
+            * self.dflash2.input_embedding_scale
 
     # the layers over the block, and the inference forward: DFlashDrafter's code over this model's layers
     hidden = DFlashDrafter.hidden

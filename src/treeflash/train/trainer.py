@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from ..models.checkpoint import DrafterError, load_strict
+from ..models.checkpoint import DrafterError, error_line, load_strict
 from .losses import cosine_lr
 
 
@@ -77,8 +77,7 @@ def read_checkpoint(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # torch raises several types here: RuntimeError, EOFError, UnpicklingError, ...
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DrafterError(f"{path} is not a readable training checkpoint (truncated or corrupted? {first}); "
+        raise DrafterError(f"{path} is not a readable training checkpoint (truncated or corrupted? {error_line(err)}); "
                            "delete it to start the run over, or use a new --out") from None
     if not isinstance(state, dict) or not all(key in state for key in CHECKPOINT_KEYS):
         raise DrafterError(f"{path} is not a treeflash training checkpoint (it needs {', '.join(CHECKPOINT_KEYS)}):"
