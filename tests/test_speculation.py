@@ -64,11 +64,12 @@ def test_policy_stops_drafting_when_it_does_not_pay_and_probes_again():
 
     assert round_()  # no data yet: draft
     first, cap = Policy.PROBE_EVERY
-    expected = [2 ** i * first for i in range(1, 16) if 2 ** i * first < cap] + [cap, cap]
+    growth = Policy.PROBE_GROWTH
+    expected = [growth ** i * first for i in range(1, 16) if growth ** i * first < cap] + [cap, cap]
     decisions = [round_() for _ in range(sum(expected) + len(expected))]
     probes = [i for i, d in enumerate(decisions) if d]
     gaps = [b - a - 1 for a, b in zip([-1] + probes, probes)]  # AR rounds before each probe
-    assert gaps[:len(expected)] == expected  # each misleading probe doubles the interval, up to the cap
+    assert gaps[:len(expected)] == expected  # each misleading probe widens the interval, up to the cap
     policy.gain = 10.0  # the text became easy: a long stretch where drafting pays
     for _ in range(cap):
         assert round_(force_gain=10.0)

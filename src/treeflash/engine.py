@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Callable
 
 import torch
@@ -57,8 +57,24 @@ class GenerationResult:
 @dataclass
 class Sequence:
     tokens: list[int]  # prompt and committed tokens; the last one is the next root (not yet seen by the target)
-    features: torch.Tensor | None  # target taps of the committed positions the drafter has not seen yet
+    prefill_features: InitVar[torch.Tensor | None]  # the prompt's target taps (None: the drafter takes none)
     emitted: list[int] = field(default_factory=list)  # the new tokens (after the prompt)
+    # target taps of the committed positions the drafter has not seen yet, one tensor per round: joined only when
+    # the drafter reads them, so that a plain AR round never copies everything since the last drafting round
+    chunks: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self, prefill_features: torch.Tensor | None) -> None:
+        self.features = prefill_features
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        if len(self.chunks) > 1:
+            self.chunks[:] = [torch.cat(self.chunks)]
+        return self.chunks[0] if self.chunks else None
+
+    @features.setter
+    def features(self, value: torch.Tensor | None) -> None:
+        self.chunks = [] if value is None else [value]
 
     def done(self, max_new_tokens: int, eos_ids) -> bool:
         return len(self.emitted) >= max_new_tokens or self.tokens[-1] in eos_ids
@@ -66,7 +82,7 @@ class Sequence:
     def add_features(self, hidden: torch.Tensor | None, path: list[int]) -> None:
         """Keep the target's taps of a round's accepted path (hidden: the verified tree's), for the drafter."""
         if hidden is not None:
-            self.features = hidden[path] if self.features is None else torch.cat([self.features, hidden[path]])
+            self.chunks.append(hidden[path])
 
     def extend(self, new: list[int], max_new_tokens: int, eos_ids) -> list[int]:
         """Append a round's new tokens, stopping exactly where sequential decoding would (after an EOS token, or
