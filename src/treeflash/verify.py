@@ -67,8 +67,21 @@ class Sampling:
         if self.greedy:
             return logits.argmax(-1)
         probs = self.probs(logits)
-        flat = probs.reshape(-1, probs.shape[-1])
-        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+        return sample(probs.reshape(-1, probs.shape[-1]), generator).reshape(probs.shape[:-1])
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One exact draw per row of probs [R, V] (non-negative, rows need not sum to 1), by inverting the cumulative
+    distribution: the first token whose running mass (fp64) exceeds u x total, u uniform in [0, 1). The same law
+    as `torch.multinomial`, which on a CPU takes about 1.1 ms for a 49,152-token vocabulary (it draws an
+    exponential per token) against 0.06 ms here: 10 % of a 4-bit AR step at T > 0."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator, device=probs.device) * cdf[:, -1:]
+    token = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    # u x total rounds to total with probability ~2^-53: the clamp may then land on a zero-mass tail token
+    if not bool(probs.gather(1, token[:, None]).gt(0).all()):
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return token
 
 
 def accept(
@@ -104,10 +117,10 @@ def _accept_sampled_chain(tree: DraftTree, logits: torch.Tensor, sampling: Sampl
     u = torch.rand(len(px), generator=generator, device=probs.device)  # one uniform per draft, up front
     rejected = (u * qx >= px).nonzero()  # u < p / q accepts: probability min(1, p / q)
     if len(rejected) == 0:
-        return list(range(len(tree))), int(torch.multinomial(probs[-1], 1, generator=generator))
+        return list(range(len(tree))), int(sample(probs[-1:], generator))
     i = int(rejected[0])  # draft i + 1 rejected, at node i
     ids, q = (x.to(probs.device) for x in tree.proposal)
-    return list(range(i + 1)), int(torch.multinomial(residual(probs[i], ids[i], q[i]), 1, generator=generator))
+    return list(range(i + 1)), int(sample(residual(probs[i], ids[i], q[i])[None], generator))
 
 
 def residual(p: torch.Tensor, ids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
