@@ -63,11 +63,16 @@ def test_prompt_lookup_votes_rank_its_tree():
 
     # three matches of the last token 7: two go on with 8 9, the most recent with 5
     tokens = [7, 8, 9, 1, 7, 8, 9, 2, 7, 5, 3, 7]
-    paths = PromptLookupDrafter(max_ngram=1, max_depth=2).continuations(tokens)
-    assert paths == [[5, 3], [8, 9], [8, 9]]
+    matches = PromptLookupDrafter(max_ngram=1, max_depth=2).continuations(tokens)
+    assert matches == [(1, [5, 3]), (1, [8, 9]), (1, [8, 9])]
+    paths = [path for _, path in matches]
     tree = vote_tree(7, paths, budget=8)
     assert tree.tokens == (7, 8, 9, 5, 3)  # the two votes first, then the most recent match
     assert tree.parents == (-1, 0, 1, 0, 3)
     assert tree.probs == pytest.approx((1.0, 2 / 3, 1.0, 1 / 3, 1.0))
     assert vote_tree(7, paths, budget=3) == tree.prefix(3)
     assert vote_tree(7, [], budget=4).size == 0
+    # a path's strength (its match's n / max_ngram) scales its nodes: the strongest match through a node counts
+    weak = vote_tree(7, paths, budget=8, strengths=[1.0, 1 / 3, 1 / 3])
+    assert weak.tokens == tree.tokens
+    assert weak.probs == pytest.approx((1.0, 2 / 9, 1 / 3, 1 / 3, 1.0))
