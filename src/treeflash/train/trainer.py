@@ -99,14 +99,15 @@ def truncate_log(path: Path, step: int) -> None:
     that the resumed run does (and logs) again; a line cut short by the kill goes too."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines(keepends=True):
+    lines, kept = path.read_text().splitlines(keepends=True), []
+    for line in lines:
         try:
             if line.endswith("\n") and json.loads(line)["step"] <= step:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             pass
-    path.write_text("".join(kept))
+    if kept != lines:
+        path.write_text("".join(kept))
 
 
 def sum_over_processes(values: list[float], device: torch.device) -> list[float]:
@@ -172,7 +173,7 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
             for k, v in stats.items():  # tensors, summed where they are: read only when logged
                 stats_sum[k] = stats_sum.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach() / per_rank
             drafted = drafted + torch.as_tensor(stats.get("tokens", 0)).detach()
-        if os.environ.get(KILL_AT_STEP) == str(step + 1):
+        if os.environ.get(KILL_AT_STEP) == str(step + 1):  # tests only: a crash mid-step
             os.kill(os.getpid(), signal.SIGKILL)
         t_optim = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
