@@ -6,6 +6,11 @@ far, where a step's time goes) and the same scalars as TensorBoard event files i
 Run it directly or under `torchrun --nproc_per_node N` (gloo on CPU, nccl on GPU): every process reads its own
 share of the samples, and gradients are averaged by DistributedDataParallel. The sample order is a pure function
 of (seed, step), so a resumed run sees exactly the samples, anchors and learning rates it would have seen.
+
+A DDP step is a re-partition of the one-process step with the same --batch-size: sample slot s of a step goes to
+process s % N, each sample's anchors come from a generator seeded by its slot, and each sample's loss counts
+1 / batch size (a per-sample mean, then the mean over the batch), however many positions it drafts. The logged
+figures are the whole batch's too (means and counts summed over the processes), not process 0's share.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import functools
 import json
 import os
 import random
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -63,6 +69,9 @@ def _permutation(seed: int, epoch: int, n: int) -> list[int]:
 
 
 CHECKPOINT_KEYS = ("model", "optim", "step")  # what a resume reads from checkpoint.pt
+# A test hook: with this set to N, every process SIGKILLs itself in the middle of step N (gradients computed, the
+# optimizer step not taken), as an OOM kill or a lost machine would; tests resume from there.
+KILL_AT_STEP = "TREEFLASH_KILL_AT_STEP"
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -83,6 +92,31 @@ def read_checkpoint(path: Path) -> dict:
         raise DrafterError(f"{path} is not a treeflash training checkpoint (it needs {', '.join(CHECKPOINT_KEYS)}):"
                            " use a new --out")
     return state
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the log lines of steps up to `step`, the checkpoint's: a run killed after its last save logged steps
+    that the resumed run does (and logs) again; a line cut short by the kill goes too."""
+    if not path.exists():
+        return
+    lines, kept = path.read_text().splitlines(keepends=True), []
+    for line in lines:
+        try:
+            if line.endswith("\n") and json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if kept != lines:
+        path.write_text("".join(kept))
+
+
+def sum_over_processes(values: list[float], device: torch.device) -> list[float]:
+    """Each value summed over the processes (as it is in one process)."""
+    if not dist.is_initialized():
+        return values
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
 
 
 def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: list,
@@ -107,12 +141,16 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
         step = state["step"]
         positions = state.get("positions", 0)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, dynamic_ncols=True)
+    if rank == 0:
+        truncate_log(out / "log.jsonl", step)  # log.jsonl holds each step once, however often the run was resumed
     log = open(out / "log.jsonl", "a") if rank == 0 else None
-    board = SummaryWriter(str(out / "tensorboard")) if rank == 0 else None  # the same figures as log.jsonl
-    started, tokens, window = time.time(), 0, []
+    # the same figures as log.jsonl; purge_step hides the events of steps a resumed run does again
+    board = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1) if rank == 0 else None
+    device = next(model.parameters()).device  # where this process's tensors are (nccl reduces those)
+    started, tokens, window, drafted = time.time(), 0, [], 0
     # where a step's time goes, in seconds per sequence (s_*: the loss_fn adds its own phases); wall time is the
     # truth on a CPU only, where nothing runs asynchronously
-    timed = next(model.parameters()).device.type == "cpu"
+    timed = device.type == "cpu"
     while step < cfg.steps:
         lr = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup)
         for group in optim.param_groups:
@@ -134,6 +172,9 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
                 stats["s_backward"] = time.perf_counter() - t_forward
             for k, v in stats.items():  # tensors, summed where they are: read only when logged
                 stats_sum[k] = stats_sum.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach() / per_rank
+            drafted = drafted + torch.as_tensor(stats.get("tokens", 0)).detach()
+        if os.environ.get(KILL_AT_STEP) == str(step + 1):  # tests only: a crash mid-step
+            os.kill(os.getpid(), signal.SIGKILL)
         t_optim = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
         optim.step()
@@ -142,10 +183,13 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
             stats_sum["s_optimizer"] = torch.tensor((time.perf_counter() - t_optim) / per_rank)  # a sequence's share
         window.append(stats_sum)
         logged = step % cfg.log_every == 0 or step == cfg.steps
-        if logged:
+        saved = step % cfg.save_every == 0 or step == cfg.steps
+        if logged or saved:  # the drafted positions of all processes, counted up to every step a checkpoint holds
+            new = round(sum_over_processes([float(drafted)], device)[0])
+            tokens, positions, drafted = tokens + new, positions + new, 0
+        if logged:  # the means over the window's steps and all processes' samples
             mean = {k: float(sum(w[k] for w in window)) / len(window) for k in window[0]}
-            new = round(mean.get("tokens", 0) * len(window) * per_rank * world)
-            tokens, positions = tokens + new, positions + new
+            mean = dict(zip(mean, (v / world for v in sum_over_processes(list(mean.values()), device))))
         if rank == 0:
             bar.update()
             if logged:
@@ -158,7 +202,7 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
                 for k, v in record.items():
                     board.add_scalar(k if k in ("loss", "kl", "acc", "acc_k1") else f"run/{k}", v, step)
                 board.flush()
-            if step % cfg.save_every == 0 or step == cfg.steps:
+            if saved:
                 atomic_save({"model": {k: v for k, v in model.state_dict().items()},
                              "optim": optim.state_dict(), "step": step, "positions": positions, "config": asdict(cfg)}, ckpt)
                 save_model(out / cfg.model_dir)
