@@ -54,8 +54,11 @@ class Sampling:
         probs = torch.softmax(logits, dim=-1)
         if self.top_p < 1:
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
-            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
+            # keep the smallest prefix whose mass reaches top_p (the token that crosses it included): drop a token
+            # when the mass from it down is at most 1 - top_p, summed from the least likely up as transformers
+            # does, so that a cut at exactly top_p (two tied tokens of 0.5 at top_p 0.5) rounds the same way
+            tail = sorted_probs.flip(-1).cumsum(-1).flip(-1)
+            drop = tail <= 1 - self.top_p
             drop[..., 0] = False  # the most likely token crosses any top_p, even one that rounds to 0 in fp32
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
