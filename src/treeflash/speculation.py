@@ -217,7 +217,8 @@ class Policy:
         else:
             if self.stretch:  # drafting just stopped paying: was it a real stretch or a misleading probe?
                 short = self.stretch < self.probe_every
-                self.probe_every = min(self.PROBE_GROWTH * self.probe_every, self.PROBE_EVERY[1]) if short else self.PROBE_EVERY[0]
+                first, cap = self.PROBE_EVERY
+                self.probe_every = min(self.PROBE_GROWTH * self.probe_every, cap) if short else first
                 self.stretch = 0
             self.skipped += 1
         self.tokens = _ema(self.tokens, committed)
