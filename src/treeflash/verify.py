@@ -76,8 +76,8 @@ class Sampling:
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One exact draw per row of probs [R, V] (non-negative, rows need not sum to 1), by inverting the cumulative
     distribution: the first token whose running mass (fp64) exceeds u x total, u uniform in [0, 1). The same law
-    as `torch.multinomial`, which on a CPU takes about 1.1 ms for a 49,152-token vocabulary (it draws an
-    exponential per token) against 0.06 ms here: 10 % of a 4-bit AR step at T > 0."""
+    as `torch.multinomial`, which on a CPU draws an exponential per token and costs a sizeable share of a 4-bit AR
+    step at T > 0 (docs/results/cpu-auto)."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator, device=probs.device) * cdf[:, -1:]
     token = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
