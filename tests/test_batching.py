@@ -1,14 +1,13 @@
 """Batched decoding: B sequences in one verify (and one drafter) forward give each sequence exactly what it gets
-alone: the same logits, the greedy tokens of plain AR decoding at T = 0, and exact samples at T > 0."""
+alone: the same logits, the greedy tokens of plain AR decoding at T = 0 (exact samples at T > 0: test_exact_sequences)."""
 
 import random
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import treeflash.batching
-from treeflash import DraftTree, Sampling, generate
+from treeflash import DraftTree, generate
 from treeflash.batching import BatchEngine, BatchTarget
 from treeflash.drafters import block_drafter, make_drafter
 from treeflash.models.dflash import ContextCache
@@ -17,7 +16,6 @@ from treeflash.target import TargetError
 from conftest import tiny_target
 from test_dflash import tiny_drafter
 from test_lossless import repetitive_prompt
-from test_sampling import PROMPT, SAMPLES, VOCAB, FixedTreeDrafter, biased_accept, exact_joint
 from test_speculation import costs
 from test_target import random_tree
 from test_treeflash import treeflash_drafter
@@ -174,30 +172,6 @@ def test_batch_costs_are_measured_per_batch_size():
     costs_ = treeflash.batching.batch_costs(target, max_batch=3, max_tokens=5)
     assert costs_.batches == [1, 2, 3]
     assert all(costs_(n, b) > 0 for n in (1, 4) for b in (1, 2, 3, 6))
-
-
-def batched_pvalue(target, sampling, drafter) -> float:
-    counts = torch.zeros(VOCAB, VOCAB)
-    for start in range(0, SAMPLES, 8):  # 8 sequences of the same prompt per batch, each its own seed
-        engine = BatchEngine(target, drafter, max_batch=8, budget=16)
-        for seed in range(start, start + 8):
-            engine.add(PROMPT, 3, sampling, seed=seed)
-        while len(engine):
-            for request in engine.step():
-                t = request.result.tokens
-                counts[t[1], t[2]] += 1
-    expected = exact_joint(target, sampling).flatten() * SAMPLES
-    keep = expected >= 5
-    obs = torch.cat([counts.flatten()[keep], counts.flatten()[~keep].sum(0, keepdim=True)])
-    exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
-    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
-
-
-def test_batched_sampling_is_exact_and_a_biased_rule_fails(monkeypatch):
-    target = tiny_target("llama", seed=3, vocab_size=VOCAB, logit_scale=8)  # sharp: a biased rule shows
-    assert batched_pvalue(target, Sampling(temperature=1.0), FixedTreeDrafter()) > 1e-3
-    monkeypatch.setattr(treeflash.batching, "accept", biased_accept)
-    assert batched_pvalue(target, Sampling(temperature=1.0), FixedTreeDrafter()) < 1e-6
 
 
 def test_batching_needs_the_static_runtime():

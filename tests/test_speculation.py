@@ -5,14 +5,13 @@ import weakref
 
 import pytest
 
-from treeflash import DraftTree, Sampling, generate
+from treeflash import DraftTree, generate
 from treeflash.drafters import block_drafter, make_drafter
 from treeflash.speculation import Calibration, Policy, VerifyCosts
 
 from conftest import OracleTreeDrafter, tiny_target
 from test_dflash import tiny_drafter
 from test_lossless import repetitive_prompt
-from test_sampling import FixedTreeDrafter, chi_square_pvalue
 
 
 def costs(per_token_ms: float, base_ms: float = 10.0) -> VerifyCosts:
@@ -207,10 +206,14 @@ def test_auto_budget_block_drafter_catches_up_after_ar_rounds(method, monkeypatc
 
 
 def test_auto_budget_sampling_is_exact(monkeypatch):
-    target = tiny_target("llama", seed=3, vocab_size=10, logit_scale=8)  # sharp: a biased rule shows
-    drafter = FixedTreeDrafter()
-    FakeClock(monkeypatch, target, drafter, lambda n: 10 + n)
-    assert chi_square_pvalue(target, Sampling(temperature=1.0), drafter, budget="auto") > 1e-3
+    """Whole sequences at T > 0 under --budget auto (test_exact_sequences' law and chi-square)."""
+    import test_exact_sequences as exact
+
+    target = tiny_target("llama", seed=3, vocab_size=exact.VOCAB, logit_scale=2)
+    drafter = block_drafter(tiny_drafter(target, seed=1, block_size=4), "ddtree")
+    FakeClock(monkeypatch, target, drafter, lambda n: 10 + 0.01 * n, lambda verified: 0.1)  # trees pay
+    counts, tau = exact.sample_single(target, drafter, budget="auto")
+    assert exact.pvalue(counts, exact.exact_law(target)) > exact.PASS_P and tau > 1.1
 
 
 def test_budget_is_checked(tiny):
