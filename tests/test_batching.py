@@ -5,6 +5,9 @@ import random
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 import treeflash.batching
 from treeflash import DraftTree, generate
@@ -177,3 +180,60 @@ def test_batch_costs_are_measured_per_batch_size():
 def test_batching_needs_the_static_runtime():
     with pytest.raises(TargetError, match="static runtime"):
         BatchEngine(tiny_target("llama", runtime="hf"), make_drafter("ar"))
+
+
+# ---- sequences joining and leaving at random ----------------------------------------------------------------------
+
+class JoinAndLeave(RuleBasedStateMachine):
+    """Sequences join between rounds, rounds run, callers stop sequences, the batch fills and empties: every sequence
+    that ends is its own plain AR decoding (a prefix of it, when its caller stopped it)."""
+
+    target = tiny_target("llama")
+    drafter = block_drafter(tiny_drafter(target, seed=1), "ddtree")
+    references: dict = {}
+
+    def __init__(self):
+        super().__init__()
+        self.engine = BatchEngine(self.target, self.drafter, max_batch=3, budget=6)
+        self.stopped: set[int] = set()
+        self.joined = 0
+
+    def reference(self, prompt: list[int], limit: int) -> list[int]:
+        key = (tuple(prompt), limit)
+        if key not in self.references:
+            self.references[key] = generate(self.target, make_drafter("ar"), prompt, limit).tokens
+        return self.references[key]
+
+    def check(self, request) -> None:
+        tokens, expected = request.result.tokens, self.reference(request.data["prompt"], request.data["limit"])
+        if request.data["i"] in self.stopped:
+            assert tokens == expected[:len(tokens)]
+        else:
+            assert tokens == expected
+
+    @precondition(lambda self: not self.engine.full)
+    @rule(seed=st.integers(0, 40), limit=st.integers(1, 24))
+    def join(self, seed: int, limit: int) -> None:
+        rng = random.Random(seed)
+        prompt = repetitive_prompt(rng, self.target.config.vocab_size, rng.randint(3, 40))
+        i, self.joined = self.joined, self.joined + 1
+        request = self.engine.add(prompt, limit, should_stop=lambda: i in self.stopped)
+        request.data.update(prompt=prompt, limit=limit, i=i)
+
+    @rule()
+    def round(self) -> None:
+        for request in self.engine.step():
+            self.check(request)
+
+    @precondition(lambda self: len(self.engine) > 0)
+    @rule(data=st.data())
+    def stop(self, data) -> None:
+        self.stopped.add(data.draw(st.sampled_from(self.engine.requests)).data["i"])
+
+    def teardown(self) -> None:
+        while len(self.engine):
+            self.round()
+
+
+TestJoinAndLeave = JoinAndLeave.TestCase
+TestJoinAndLeave.settings = settings(max_examples=12, stateful_step_count=25, deadline=None)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import treeflash.batching
+import treeflash.engine
 import treeflash.verify
 from treeflash import Sampling, generate
 from treeflash.batching import BatchEngine
@@ -156,7 +156,7 @@ def top_p_without_the_crossing_token(self, logits):
 def test_a_broken_copy_fails_the_same_test(target, drafters, exact, broken, monkeypatch):
     """Acceptance by min(1, p / q) against a uniform q without a residual; top-p that drops the crossing token;
     the drafter's probabilities deciding acceptance; after a rejected sampled draft, a draw from p instead of
-    norm(max(0, p - q)). Run batched, the cheaper mode (both engines share `accept` and `Sampling`)."""
+    norm(max(0, p - q)). Run batched, the cheaper mode (both engines run `engine.run_round`)."""
     method = "dflash2" if broken == "no-residual" else "ddtree"
     if broken == "wrong-top-p":
         monkeypatch.setattr(Sampling, "probs", top_p_without_the_crossing_token)
@@ -164,7 +164,7 @@ def test_a_broken_copy_fails_the_same_test(target, drafters, exact, broken, monk
         monkeypatch.setattr(treeflash.verify, "residual", lambda p, ids, q: p)
     else:
         rule = biased_accept if broken == "biased-acceptance" else drafter_as_target
-        monkeypatch.setattr(treeflash.batching, "accept", rule)
+        monkeypatch.setattr(treeflash.engine, "accept", rule)
     counts, _ = sample_batched(target, drafters[method])
     p = pvalue(counts, exact)
     print(f"{broken}: p = {p:.2e}")

@@ -7,13 +7,14 @@
   (the weights are shared); block drafters (dflash, ddtree, treeflash, tfm) draft the whole batch in one forward,
   then grow each sequence's tree. Prompt lookup and AR need no forward.
 - `BatchEngine`: continuous batching. `add` starts a sequence (its prefill runs alone), `step` runs one round for
-  the whole batch and removes the sequences that ended; sequences join and leave between rounds.
+  the whole batch (`engine.run_round`, the round `generate` runs for one sequence) and removes the sequences that
+  ended; sequences join and leave between rounds.
 
 Cost-aware speculation (`--budget auto`) chooses one tree size per round for the whole batch: the forward's cost
 depends on the batch and on the largest tree (speculation.BatchCosts), its worth on every sequence's tree.
 
 The single-sequence engine (`engine.generate`) is the reference: at T = 0 every sequence of a batch gets exactly
-its tokens, and at T > 0 each is an exact sample, as acceptance runs per sequence by the same rule.
+its tokens, and at T > 0 each is an exact sample, as acceptance runs per sequence in the same round.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import torch
 from .clock import now
 from .drafters.base import Drafter
 from .drafters.block import BlockDrafter, observe_all
-from .engine import AUTO, DEFAULT_MAX_BUDGET, GenerationResult, Round, Sequence
+from .engine import AUTO, DEFAULT_MAX_BUDGET, GenerationResult, Sequence, check_budget, run_round
 from .speculation import BatchCosts, Policy, VerifyCosts
 from .target import Target, TargetError, TargetOutput
 from .tree import DraftTree
-from .verify import Sampling, accept, expected_accepted
+from .verify import Sampling
 
 
 class BatchTarget:
@@ -44,7 +45,7 @@ class BatchTarget:
                               f"runs on {target.runtime}: decode its sequences one at a time")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.target, self.max_batch = target, max_batch
+        self.target, self.max_batch, self.device = target, max_batch, target.device
         self.cache = target.fast.new_cache(max_batch, capacity)
         self.lengths: list[int] = []  # committed positions of each sequence
         self.taps: tuple[int, ...] = ()
@@ -67,6 +68,10 @@ class BatchTarget:
             [0], None, self.taps, slice(-1, None))
         self.lengths.append(len(ids))
         return TargetOutput(logits[0].float(), None if hidden is None else hidden[0])
+
+    def room(self) -> int:
+        """Draft nodes the longest sequence has room for: padded trees must fit too."""
+        return self.target.context_length - max(self.lengths) - 1
 
     def remove(self, i: int) -> None:
         """Drop sequence i; the last one moves into its slot (the batch stays in slots 0..B-1)."""
@@ -162,8 +167,7 @@ class BatchEngine:
 
     def __init__(self, target: Target, drafter: Drafter, max_batch: int = 8, budget: int | str = AUTO,
                  max_budget: int = DEFAULT_MAX_BUDGET):
-        if budget != AUTO and (not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
+        check_budget(budget, max_budget)
         self.target, self.slots, self.batch = target, BatchTarget(target, max_batch), BatchDrafter(drafter)
         self.requests: list[Request] = []
         self.budget = budget if budget != AUTO else max_budget
@@ -186,9 +190,7 @@ class BatchEngine:
         generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
         max_new_tokens = min(max_new_tokens, self.target.context_length - len(prompt))
         t0 = now(self.target.device)
-        out = self.slots.add(prompt, self.batch.taps)
-        first = int(sampling.choose(out.logits[-1], generator))
-        seq = Sequence(prompt + [first], out.hidden, [first])
+        seq = Sequence.start(prompt, self.slots.add(prompt, self.batch.taps), sampling, generator)
         request = Request(seq, max_new_tokens, sampling, generator,
                           GenerationResult(seq.emitted, prefill_s=now(self.target.device) - t0),
                           on_token, should_stop)
@@ -196,7 +198,7 @@ class BatchEngine:
         self.batch.lanes[-1].follow(sampling, generator)
         self.requests.append(request)
         if on_token:
-            on_token(first)
+            on_token(seq.emitted[0])
         return request
 
     def step(self) -> list[Request]:
@@ -205,38 +207,16 @@ class BatchEngine:
         done = self._retire()  # those that ended at their prefill, or were stopped since the last round
         if not self.requests:
             return done
-        seqs = [r.seq for r in self.requests]
-        device = self.target.device
-        room = self.target.context_length - max(self.slots.lengths) - 1  # padded trees must fit too
-        budget = max(min(self.budget, room), 0)
-        t0 = now(device)
-        drafted = budget > 0 and self.batch.drafts and (self.policy is None or self.policy.should_draft())
-        if drafted:
-            trees = self.batch.propose(seqs, [budget] * len(seqs))
-            if self.policy:
-                trees = self.policy.choose(trees)
-        else:  # plain AR steps: the drafters' contexts catch up at their next call
-            trees = [DraftTree.chain(s.tokens[-1]) for s in seqs]
-        t1 = now(device)
-        outs = self.slots.verify(trees)
-        picks = [accept(t, o.logits, r.sampling, r.generator) for t, o, r in zip(trees, outs, self.requests)]
-        self.slots.commit([path for path, _ in picks])
-        t2 = now(device)
-        news = []
-        for r, tree, out, (path, bonus) in zip(self.requests, trees, outs, picks):
-            r.seq.add_features(out.hidden, path)
-            news.append([tree.tokens[i] for i in path[1:]] + [bonus])
-        if self.policy:
-            self.policy.observe(trees, [path for path, _ in picks], sum(map(len, news)), t1 - t0, t2 - t1, drafted)
-        t3 = now(device)  # the round's bookkeeping is part of its time (what bench's tokens per second count)
-        self.rounds, self.draft_s, self.verify_s = self.rounds + 1, self.draft_s + t1 - t0, self.verify_s + t3 - t1
-        for r, tree, out, new in zip(self.requests, trees, outs, news):
-            expected = len(new) if r.sampling.greedy else expected_accepted(tree, out.logits, r.sampling)
-            kept = r.seq.extend(new, r.max_new_tokens, self.target.eos_ids)
+        rs = self.requests
+        outcome = run_round(self.slots, self.batch, [r.seq for r in rs], [r.sampling for r in rs],
+                            [r.generator for r in rs], self.budget, self.policy)
+        self.rounds += 1
+        self.draft_s, self.verify_s = self.draft_s + outcome.draft_s, self.verify_s + outcome.verify_s
+        for b, r in enumerate(rs):
+            kept = r.seq.extend(outcome.new[b], r.max_new_tokens, self.target.eos_ids)
             for token in kept if r.on_token else ():
                 r.on_token(token)
-            r.result.rounds.append(Round(len(kept), tree.size, t1 - t0, t3 - t1, min(expected, len(kept)),
-                                           drafted))
+            r.result.rounds.append(outcome.record(b, kept))
         return done + self._retire()
 
     def abort(self) -> list[Request]:

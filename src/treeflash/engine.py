@@ -1,19 +1,20 @@
 """The decoding loop shared by every method: draft -> tree -> verify -> commit.
 
-`step` is one round, `generate` the loop around it (as gpt-fast's generate.py splits them).
+`run_round` is one round of B sequences (batch-first: one sequence is B = 1), `generate` the loop around it for
+one sequence (as gpt-fast's generate.py splits them); `batching.BatchEngine` runs the same round over a batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import InitVar, dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from .clock import now as _now
 from .drafters.base import Drafter
 from .speculation import Policy, policy_for
-from .target import Target
+from .target import Target, TargetOutput
 from .tree import DraftTree
 from .verify import Sampling, accept, expected_accepted
 
@@ -96,35 +97,119 @@ class Sequence:
             kept.append(token)
         return kept
 
+    @classmethod
+    def start(cls, prompt: list[int], prefill: TargetOutput, sampling: Sampling,
+              generator: torch.Generator | None) -> "Sequence":
+        """The sequence after its prefill: the first new token drawn from the prompt's last logits."""
+        first = int(sampling.choose(prefill.logits[-1], generator))
+        return cls(prompt + [first], prefill.hidden, [first])
 
-def step(target: Target, drafter: Drafter, seq: Sequence, sampling: Sampling, budget: int | Policy,
-         generator: torch.Generator | None = None) -> tuple[list[int], DraftTree, torch.Tensor, Round]:
-    """One round: draft a tree (with a Policy: the prefix that pays, or no drafting at all), verify it, commit
-    the accepted path. Returns the round's new tokens (the caller cuts them at EOS or its limit), the verified
-    tree, the target's logits on it, and the round's record (its `accepted` counts every new token)."""
-    policy = budget if isinstance(budget, Policy) else None
-    room = target.context_length - target.length - 1  # the tree (root + drafts) must fit in the context
-    t0 = _now(target.device)
-    drafted = drafter.drafts and (policy is None or policy.should_draft())  # as BatchEngine.step decides
-    if drafted:
-        tree = drafter.propose(seq.tokens, seq.features, min(policy.max_budget if policy else budget, room))
+
+class Verifier(Protocol):
+    """What a round needs from the target: B trees verified in one forward (trees[b] after sequence b), then each
+    sequence's accepted path committed. `BatchTarget` serves a batch, `OneSequence` the target's own sequence."""
+
+    device: torch.device
+
+    def room(self) -> int: ...  # draft nodes the longest sequence still has room for
+    def verify(self, trees: list[DraftTree]) -> list[TargetOutput]: ...
+    def commit(self, paths: list[list[int]]) -> None: ...
+
+
+class Lanes(Protocol):
+    """What a round needs from the drafter: B trees, one per sequence, each from the committed positions it has
+    not seen yet (`Sequence.features`, cleared once read). `BatchDrafter` drafts a batch, `OneLane` one sequence."""
+
+    drafts: bool
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]: ...
+
+
+class OneSequence:
+    """The target's own (single) sequence as a batch of one."""
+
+    def __init__(self, target: Target):
+        self.target, self.device = target, target.device
+
+    def room(self) -> int:
+        return self.target.context_length - self.target.length - 1  # the tree (root + drafts) must fit
+
+    def verify(self, trees: list[DraftTree]) -> list[TargetOutput]:
+        return [self.target.verify(tree) for tree in trees]
+
+    def commit(self, paths: list[list[int]]) -> None:
+        (path,) = paths
+        self.target.commit(path)
+
+
+class OneLane:
+    """One drafter for one sequence, as a batch of one."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter, self.drafts = drafter, drafter.drafts
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]:
+        (seq,), (budget,) = seqs, budgets
+        tree = self.drafter.propose(seq.tokens, seq.features, budget)
         seq.features = None
+        return [tree]
+
+
+@dataclass
+class Outcome:
+    """One round of B sequences: each one's new tokens (accepted drafts + the bonus token, before the caller cuts
+    them at EOS or its limit), verified tree, target logits on it and E[accepted | tree]; the round's times."""
+
+    new: list[list[int]]
+    trees: list[DraftTree]
+    logits: list[torch.Tensor]
+    expected: list[float]
+    draft_s: float
+    verify_s: float  # verification, acceptance, commit and the round's bookkeeping
+    drafted: bool
+
+    def record(self, b: int, kept: list[int]) -> Round:
+        """Sequence b's Round, counting only the tokens it kept (τ counts committed tokens)."""
+        return Round(len(kept), self.trees[b].size, self.draft_s, self.verify_s, min(self.expected[b], len(kept)),
+                     self.drafted)
+
+
+def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings: list[Sampling],
+              generators: list[torch.Generator | None], budget: int, policy: Policy | None = None) -> Outcome:
+    """One round for B sequences: draft B trees of up to `budget` nodes (with a policy: the prefixes that pay, or
+    plain AR steps when none does), verify them in one forward, commit each sequence's accepted path."""
+    budget = max(min(budget, verifier.room()), 0)
+    t0 = _now(verifier.device)
+    drafted = budget > 0 and lanes.drafts and (policy is None or policy.should_draft())
+    if drafted:
+        trees = lanes.propose(seqs, [budget] * len(seqs))
         if policy:
-            tree = policy.choose([tree])[0]
-    else:  # a plain AR step: the drafter's context catches up at its next call
-        tree = DraftTree.chain(seq.tokens[-1])
-    t1 = _now(target.device)
-    out = target.verify(tree)
-    path, bonus = accept(tree, out.logits, sampling, generator)
-    target.commit(path)
-    t2 = _now(target.device)
-    seq.add_features(out.hidden, path)
-    new = [tree.tokens[i] for i in path[1:]] + [bonus]
+            trees = policy.choose(trees)
+    else:  # plain AR steps: the drafters' contexts catch up at their next call
+        trees = [DraftTree.chain(s.tokens[-1]) for s in seqs]
+    t1 = _now(verifier.device)
+    outs = verifier.verify(trees)
+    picks = [accept(t, o.logits, s, g) for t, o, s, g in zip(trees, outs, samplings, generators)]
+    paths = [path for path, _ in picks]
+    verifier.commit(paths)
+    t2 = _now(verifier.device)
+    new = []
+    for seq, tree, out, (path, bonus) in zip(seqs, trees, outs, picks):
+        seq.add_features(out.hidden, path)
+        new.append([tree.tokens[i] for i in path[1:]] + [bonus])
     if policy:
-        policy.observe([tree], [path], len(new), t1 - t0, t2 - t1, drafted)
-    t3 = _now(target.device)  # the round's bookkeeping is part of its time (what bench's tokens per second count)
-    expected = len(new) if sampling.greedy else expected_accepted(tree, out.logits, sampling)  # a measure: not timed
-    return new, tree, out.logits, Round(len(new), tree.size, t1 - t0, t3 - t1, expected, drafted)
+        policy.observe(trees, paths, sum(map(len, new)), t1 - t0, t2 - t1, drafted)
+    t3 = _now(verifier.device)  # the round's bookkeeping is part of its time (what bench's tokens per second count)
+    expected = [len(n) if s.greedy else expected_accepted(t, o.logits, s)  # a measure: not timed
+                for n, t, o, s in zip(new, trees, outs, samplings)]
+    return Outcome(new, trees, [o.logits for o in outs], expected, t1 - t0, t3 - t1, drafted)
+
+
+def check_budget(budget: int | str, max_budget: int = DEFAULT_MAX_BUDGET) -> None:
+    if budget != AUTO and (not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
+    if max_budget < 1:
+        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
 
 
 def generate(
@@ -145,35 +230,26 @@ def generate(
     maximises expected tokens per second, or a plain AR step when no tree pays (speculation.Policy).
     `should_stop`, asked before every round, ends the generation early when it returns True (a server's client
     that left, a stop string seen, a deadline passed)."""
-    if budget != AUTO and (not isinstance(budget, int) or budget < 1):
-        raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
-    if max_budget < 1:
-        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+    check_budget(budget, max_budget)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     max_new_tokens = min(max_new_tokens, target.context_length - len(prompt))
-    if budget != AUTO:
-        plan = budget
-    elif not drafter.drafts:  # AR proposes nothing to choose from: no policy (nor the cost measurement behind one)
-        plan = 1
-    else:
-        plan = policy_for(target, drafter, max_budget)
+    policy = policy_for(target, drafter, max_budget) if budget == AUTO and drafter.drafts else None
+    size = max_budget if budget == AUTO else budget  # the largest tree a round drafts
     drafter.reset()
     drafter.follow(sampling, generator)
+    verifier, lanes = OneSequence(target), OneLane(drafter)
 
     t0 = _now(target.device)
-    out = target.prefill(prompt, taps=drafter.taps)
-    first = int(sampling.choose(out.logits[-1], generator))
-    seq = Sequence(prompt + [first], out.hidden, [first])
+    seq = Sequence.start(prompt, target.prefill(prompt, taps=drafter.taps), sampling, generator)
     result = GenerationResult(seq.emitted, prefill_s=_now(target.device) - t0)
     if on_token:
-        on_token(first)
+        on_token(seq.emitted[0])
     while not seq.done(max_new_tokens, target.eos_ids) and not (should_stop and should_stop()):
-        new, _, _, round_ = step(target, drafter, seq, sampling, plan, generator)
-        kept = seq.extend(new, max_new_tokens, target.eos_ids)
+        outcome = run_round(verifier, lanes, [seq], [sampling], [generator], size, policy)
+        kept = seq.extend(outcome.new[0], max_new_tokens, target.eos_ids)
         for token in kept if on_token else ():
             on_token(token)
-        round_.accepted, round_.expected = len(kept), min(round_.expected, len(kept))  # τ: committed tokens only
-        result.rounds.append(round_)
+        result.rounds.append(outcome.record(0, kept))
     return result

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from ..drafters import make_drafter
-from ..engine import Sequence, step
+from ..engine import OneLane, OneSequence, Sequence, run_round
 from ..target import Target
 from ..verify import Sampling, expected_accepted
 from .bench import variants
@@ -30,14 +30,12 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
     if len(taps) > 1:
         raise ValueError("paired variants must tap the same target layers (one drafter backbone)")
     taps = taps.pop() if taps else ()
-    totals, rounds, outputs = dict.fromkeys(names, 0.0), 0, []
+    totals, rounds, outputs, verifier = dict.fromkeys(names, 0.0), 0, [], OneSequence(target)
     for i, prompt in enumerate(tqdm(prompts, desc="paired", unit="prompt", disable=not progress, leave=False)):
         generator = torch.Generator(device=target.device).manual_seed(seed + i)
         for drafter, _ in drafters.values():
             drafter.reset()
-        out = target.prefill(prompt, taps=taps)
-        first = int(sampling.choose(out.logits[-1], generator))
-        seq = Sequence(prompt + [first], out.hidden, [first])
+        seq = Sequence.start(prompt, target.prefill(prompt, taps=taps), sampling, generator)
         while not seq.done(max_new_tokens, target.eos_ids):
             room, wanted = target.context_length - target.length - 1, max_new_tokens - len(seq.emitted)
             for name in names[1:]:  # every other variant's tree, for the context the driver is about to extend
@@ -46,9 +44,9 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
                 totals[name] += min(expected_accepted(tree, target.verify(tree).logits, sampling), wanted)
                 target.discard()
             driver, budget = drafters[names[0]]
-            new, tree, logits, _ = step(target, driver, seq, sampling, budget, generator)
-            kept = seq.extend(new, max_new_tokens, target.eos_ids)  # stop where `generate` stops
-            totals[names[0]] += min(expected_accepted(tree, logits, sampling), len(kept))  # as `generate` counts τ
+            outcome = run_round(verifier, OneLane(driver), [seq], [sampling], [generator], budget)
+            kept = seq.extend(outcome.new[0], max_new_tokens, target.eos_ids)  # stop where `generate` stops
+            totals[names[0]] += outcome.record(0, kept).expected  # as `generate` counts τ
             rounds += 1
         outputs.append(seq.emitted)
     base = totals[names[0]]
