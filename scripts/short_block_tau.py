@@ -1,0 +1,49 @@
+"""τ with the DFlash drafter's block cut to budget + 1 positions, against its full block (issue #29, cheap drafting).
+
+A drafting round's forward runs every position of the block (16 for the shipped drafter) although a tree of B nodes
+reads only the first B. Cutting the block to B + 1 would cut the forward's rows, but the block attends to itself in
+both directions, so the states of the first positions change too. This measures what that costs in τ (fp32, T = 0,
+plain `generate` at a fixed budget; τ does not depend on timing).
+
+    python scripts/short_block_tau.py --dataset gsm8k --limit 5 --max-new-tokens 96 --out short-block-gsm8k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from treeflash import Target, generate
+from treeflash.drafters import make_drafter
+from treeflash.eval.datasets import load_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", default="gsm8k")
+    p.add_argument("--limit", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--budgets", default="2,4,8")
+    p.add_argument("--out")
+    args = p.parse_args()
+    target = Target.load("smollm2-135m-instruct", dtype="float32")
+    prompts = [target.encode_prompt(t) for t in load_prompts(args.dataset, limit=args.limit)]
+    drafter = make_drafter("ddtree", target)
+    config, rows = drafter.model.config, []
+    full = config.block_size
+    for budget in map(int, args.budgets.split(",")):
+        for block in (full, budget + 1):
+            config.block_size = block  # the drafter reads it for the block's tokens and positions
+            results = [generate(target, drafter, ids, args.max_new_tokens, budget=budget) for ids in prompts]
+            config.block_size = full
+            tau = sum(r.tau * len(r.rounds) for r in results) / sum(len(r.rounds) for r in results)
+            rows.append({"budget": budget, "block": block, "tau": tau})
+            print(f"{args.dataset} ddtree budget {budget} block {block}: tau {tau:.3f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"dataset": args.dataset, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
