@@ -108,7 +108,7 @@ def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors
 
 
 def run(args) -> dict:
-    """`treeflash train dflash` and `treeflash train treeflash` (see cli.py for the arguments).
+    """`treeflash train dflash` and `treeflash train treeflash` (see cli/args.py for the arguments).
 
     A DFlash drafter starts fresh at the sizes given, or from a trained one (--init) with a new optimiser and
     learning-rate schedule: a second stage on more data, or a published drafter fine-tuned on one's own.

@@ -105,7 +105,7 @@ def build(args, target) -> DFlash2Drafter:
 
 
 def run(args) -> dict:
-    """`treeflash train dflash2` (see cli.py for the arguments)."""
+    """`treeflash train dflash2` (see cli/args.py for the arguments)."""
     from .dflash import launch, sample_anchors, sequences, setup, target_view, training_rows
 
     rank, world, target = setup(args)

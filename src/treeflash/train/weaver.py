@@ -67,7 +67,7 @@ def weaver_loss(model: torch.nn.Module, drafter: DFlashDrafter, seq: Sequence, v
 
 
 def run(args) -> dict:
-    """`treeflash train weaver` (see cli.py for the arguments)."""
+    """`treeflash train weaver` (see cli/args.py for the arguments)."""
     from ..models.checkpoint import weights_digest
     from ..models.weaver import WeaverConfig
     from .dflash import launch, sample_anchors, sequences, setup, target_view, training_rows

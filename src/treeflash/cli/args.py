@@ -1,15 +1,10 @@
-"""The `treeflash` command line: generate, serve, bench, paired, overhead, dist, gdn-bench, data, export, train."""
+"""The command line's parser: every command's arguments and the types that check them."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
-import sys
-import time
 
-from . import __version__
+from .. import __version__
 
 
 class UsageError(Exception):
@@ -43,9 +38,9 @@ def _non_negative_float(text: str) -> float:
 
 
 def _methods(text: str, baselines: bool = False) -> list[str]:
-    from .drafters import METHODS
-    from .eval.baselines import BASELINES
-    from .eval.bench import EAGER
+    from ..drafters import METHODS
+    from ..eval.baselines import BASELINES
+    from ..eval.bench import EAGER
 
     known = METHODS + BASELINES + (EAGER,) if baselines else METHODS
     names = [m.strip() for m in text.split(",") if m.strip()]
@@ -72,12 +67,19 @@ def _paths(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [_positive_int(x) for x in text.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+
+
 def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers: bool = False,
                        paired: bool = False, serve: bool = False) -> None:
     """Decoding options; with `sweep` (bench, paired), --budget and --tfm-width take comma-separated lists, with
     `weavers` (paired) --weaver too; `serve` has --default-temperature for --temperature (requests name their own)."""
-    from .engine import DEFAULT_MAX_BUDGET
-    from .target import DEFAULT_TARGET
+    from ..engine import DEFAULT_MAX_BUDGET
+    from ..target import DEFAULT_TARGET
 
     ints, several = (_positive_ints, "; a list such as 16,64 runs each") if sweep else (_positive_int, "")
     if paired:
@@ -91,7 +93,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
         p.add_argument("--max-budget", type=_positive_int, default=DEFAULT_MAX_BUDGET,
                        help=f"the largest tree auto drafts ({DEFAULT_MAX_BUDGET})")
     if serve:
-        from .serve.openai_api import DEFAULT_TEMPERATURE
+        from ..serve.openai_api import DEFAULT_TEMPERATURE
 
         p.add_argument("--default-temperature", dest="temperature", type=float, default=DEFAULT_TEMPERATURE,
                        help=f"the temperature of requests that leave it out ({DEFAULT_TEMPERATURE:g}, OpenAI's "
@@ -138,9 +140,9 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
 
 
 def build_parser() -> Parser:
-    from .drafters import METHODS
-    from .target import DEFAULT_TARGET
-    from .train.store import DEFAULT_STORE
+    from ..drafters import METHODS
+    from ..target import DEFAULT_TARGET
+    from ..train.store import DEFAULT_STORE
 
     parser = Parser(prog="treeflash", description="Lossless tree speculative decoding with one-shot block drafters.")
     parser.add_argument("--version", action="version", version=f"treeflash {__version__}")
@@ -354,414 +356,3 @@ def build_parser() -> Parser:
         t.add_argument("--seed", type=int, default=0)
         t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     return parser
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [_positive_int(x) for x in text.split(",")]
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
-
-
-def _sampling(args):
-    from .verify import Sampling
-
-    try:
-        return Sampling(args.temperature, args.top_k, args.top_p)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-
-
-def _load_target(args):
-    from .target import Target
-
-    return Target.load(args.target, dtype=args.dtype, device=args.device, runtime=getattr(args, "runtime", "auto"),
-                       quantize=getattr(args, "quantize", "auto"), compile=getattr(args, "compile", "off"))
-
-
-def _max_rss_mib() -> float:
-    """This process's peak resident memory (the target, drafters and stock baselines; not llama.cpp's process)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _weights(target):
-    """The target's weights for a JSON report: "dense", or what a GGUF's quantised tensors became."""
-    return target.weights if isinstance(target.weights, str) else target.weights.as_dict()
-
-
-def _encode(target, text: str) -> list[int]:
-    if not text.strip():
-        raise UsageError("the prompt is empty")
-    ids = target.encode_prompt(text)
-    if len(ids) >= target.context_length:
-        raise UsageError(f"the prompt has {len(ids)} tokens; the target's context holds {target.context_length}")
-    return ids
-
-
-def cmd_generate(args) -> None:
-    from .drafters import make_drafter
-    from .engine import generate
-
-    sampling = _sampling(args)
-    if not args.prompt.strip():
-        raise UsageError("the prompt is empty")
-    _choose_method(args)
-    target = _load_target(args)
-    prompt = _encode(target, args.prompt)
-    emitted: list[int] = []
-    printed = ""
-
-    def stream(token: int) -> None:  # decode the whole text each time: multi-token characters print once whole
-        nonlocal printed
-        emitted.append(token)
-        text = target.decode(emitted)
-        if text.startswith(printed) and not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
-
-    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width, args.draft_vocab)
-    result = generate(target, drafter, prompt, args.max_new_tokens, sampling, args.budget, seed=args.seed,
-                      on_token=None if args.json else stream, max_budget=args.max_budget)
-    if args.json:
-        print(json.dumps({
-            "target": args.target, "method": args.method, "text": target.decode(result.tokens),
-            "tokens": result.tokens, "new_tokens": len(result.tokens), "tau": result.tau,
-            "tokens_per_second": len(result.tokens) / result.seconds, "rounds": len(result.rounds)}))
-    else:
-        rest = target.decode(result.tokens)[len(printed):]
-        print(rest)
-        print(f"[{args.method}: {len(result.tokens)} tokens, tau {result.tau:.2f}, "
-              f"{len(result.tokens) / result.seconds:.1f} tokens/s]", file=sys.stderr)
-
-
-def cmd_serve(args) -> None:
-    from .drafters import make_drafter
-    from .serve.app import Settings, is_loopback, run
-
-    sampling = _sampling(args)
-    _choose_method(args)
-    api_key = args.api_key or os.environ.get("TREEFLASH_API_KEY") or None
-    if api_key is None and not is_loopback(args.host):
-        print(f"treeflash: warning: serving on {args.host} without an API key: whoever reaches it can use it "
-              "(set --api-key or TREEFLASH_API_KEY)", file=sys.stderr)
-    target = _load_target(args)
-    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width, args.draft_vocab)
-    settings = Settings(model=args.served_model_name or args.target, method=args.method, api_key=api_key,
-                        timeout=args.timeout, max_tokens=args.max_new_tokens, temperature=sampling.temperature,
-                        top_p=sampling.top_p, top_k=sampling.top_k, seed=args.seed)
-    run(target, drafter, settings, args.budget, args.max_budget, args.max_queue, args.host, args.port,
-        args.max_batch)
-
-
-def _choose_method(args) -> None:
-    """--method left out: the fastest method available for the target (see the model cards' benchmarks)."""
-    if args.method is None:
-        available = available_methods(args.target, args.drafter)
-        args.method = next(m for m in ("treeflash", "ddtree", "dflash2-tree", "pld") if m in available)
-    if args.method == "tfm":
-        _require_weaver(args)
-
-
-def _require_weaver(args) -> None:
-    from .drafters.load import default_weaver_path
-
-    if not (args.weaver or default_weaver_path(args.target, args.drafter)):
-        raise UsageError("method tfm needs --weaver PATH (a folder written by `treeflash train weaver` on the "
-                         "drafter in use)")
-
-
-def available_methods(target: str, drafter: str | None, weaver: str | None = None) -> list[str]:
-    """The methods that can run: ar, pld, and the block methods of the named drafter (else of the drafters shipped
-    for the target): treeflash needs an AR layer, tfm a Weaver (named, or shipped with the shipped drafter)."""
-    from pathlib import Path
-
-    from .drafters.load import default_weaver_path, shipped_drafter
-    from .models.dflash2 import is_dflash2
-
-    methods = ["ar", "pld"]
-    if drafter and is_dflash2(drafter):  # its own methods only: the DFlash ones cannot read its layers
-        return methods + ["dflash2", "dflash2-tree"]
-    if drafter or shipped_drafter(target, "dflash"):
-        methods += ["dflash", "ddtree"]
-    if drafter:
-        config = Path(drafter, "config.json")
-        has_ar_layer = config.is_file() and "treeflash_config" in json.loads(config.read_text())
-    else:
-        has_ar_layer = shipped_drafter(target, "treeflash") is not None
-    if has_ar_layer:
-        methods.append("treeflash")
-    if (weaver or default_weaver_path(target, drafter)) and "ddtree" in methods:
-        methods.append("tfm")
-    return methods
-
-
-def cmd_bench(args) -> None:
-    from .eval.bench import format_table, run_bench
-    from .eval.datasets import load_prompts
-
-    sampling = _sampling(args)
-    prompts = load_prompts(args.dataset, args.field, args.limit)
-    if args.methods is None:
-        args.methods = available_methods(args.target, args.drafter, args.weaver)
-    if "tfm" in args.methods:
-        _require_weaver(args)
-    import torch
-
-    target = _load_target(args)
-    for p in prompts:
-        _encode(target, p)
-    if args.batch_size:
-        return _batch_bench(args, target, prompts, sampling)
-    started = time.time()
-    methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
-                        progress=not args.no_progress, drafter_path=args.drafter, weaver_path=args.weaver,
-                        tfm_widths=args.tfm_width, max_budget=args.max_budget, draft_vocab_size=args.draft_vocab)
-    dtype = str(target.dtype).removeprefix("torch.")
-    report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budgets": args.budget,
-              "max_budget": args.max_budget, "tfm_widths": args.tfm_width, "draft_vocab": args.draft_vocab,
-              "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-              "max_new_tokens": args.max_new_tokens, "dtype": dtype, "runtime": target.runtime,
-              "compiled": target.compiled,
-              "weights": _weights(target), "threads": torch.get_num_threads(), "max_rss_mib": _max_rss_mib(),
-              "seconds": time.time() - started, "methods": methods}
-    print(f"{args.dataset}: {len(prompts)} prompts, budget {','.join(map(str, args.budget))} (max {args.max_budget}), "
-          f"T = {args.temperature}, {args.max_new_tokens} new tokens, target {args.target} ({dtype}, "
-          f"{target.runtime} runtime{', compiled' if target.compiled else ''}, {torch.get_num_threads()} threads; "
-          f"weights: {target.weights})")
-    print(format_table(methods))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-
-
-def _batch_bench(args, target, prompts, sampling) -> None:
-    from .eval.baselines import BASELINES
-    from .eval.batch_bench import format_batch_table, run_batch_bench
-    from .eval.bench import EAGER
-    import torch
-
-    if len(args.tfm_width) > 1:
-        raise UsageError("--batch-size takes one --tfm-width")
-    skipped = [m for m in args.methods if m in (*BASELINES, EAGER)]
-    if skipped:
-        print(f"not batched, skipped: {', '.join(skipped)}")
-    started = time.time()
-    rows = run_batch_bench(target, prompts, args.methods, args.batch_size, args.budget, sampling,
-                           args.max_new_tokens, args.seed, progress=not args.no_progress, drafter_path=args.drafter,
-                           weaver_path=args.weaver, tfm_width=args.tfm_width[0], max_budget=args.max_budget,
-                           draft_vocab_size=args.draft_vocab, repeats=args.repeats)
-    dtype = str(target.dtype).removeprefix("torch.")
-    print(f"{args.dataset}: {len(prompts)} prompts, batch sizes {','.join(map(str, args.batch_size))}, budget "
-          f"{','.join(map(str, args.budget))} (max {args.max_budget}), T = {args.temperature}, {args.max_new_tokens} "
-          f"new tokens, target {args.target} ({dtype}, {torch.get_num_threads()} threads)")
-    print(format_batch_table(rows))
-    if args.out:
-        report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts),
-                  "batch_sizes": args.batch_size, "budgets": args.budget, "max_budget": args.max_budget,
-                  "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                  "max_new_tokens": args.max_new_tokens, "dtype": dtype, "weights": _weights(target),
-                  "repeats": args.repeats, "threads": torch.get_num_threads(), "seconds": time.time() - started, "variants": rows}
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-
-
-def cmd_paired(args) -> None:
-    from .eval.datasets import load_prompts
-    from .eval.paired import format_paired, paired_drafters, run_paired
-
-    prompts = load_prompts(args.dataset, args.field, args.limit)
-    methods = [m for m in args.methods or available_methods(args.target, args.drafter, args.weaver) if m != "ar"]
-    if not methods:
-        raise UsageError("paired compares tree builders: name at least one method other than ar")
-    if "tfm" in methods:
-        _require_weaver(args)
-    target = _load_target(args)
-    drafters = paired_drafters(target, methods, args.budget, args.tfm_width, args.drafter, args.weaver,
-                               args.draft_vocab)
-    encoded = [_encode(target, p) for p in prompts]
-    report = run_paired(target, encoded, drafters, _sampling(args), args.max_new_tokens, args.seed,
-                        progress=not args.no_progress)
-    print(f"{args.dataset}: {len(prompts)} prompts, {report['rounds']} rounds driven by {next(iter(drafters))}, "
-          f"T = {args.temperature}, {args.max_new_tokens} new tokens")
-    if len(args.weaver or []) > 1:
-        for i, path in enumerate(args.weaver, start=1):
-            print(f"#{i}: Weaver {path}")
-    print(format_paired(report))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts),
-                       "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                       "dtype": args.dtype, "seed": args.seed, "drafter": args.drafter, "weavers": args.weaver,
-                       **report}, f, indent=2)
-
-
-def cmd_overhead(args) -> None:
-    from .eval.overhead import measure_overhead
-
-    report = {"target": args.target, "dtype": args.dtype, **measure_overhead(_load_target(args), args.context,
-                                                                           args.repeats)}
-    if args.json:
-        print(json.dumps(report))
-        return
-    print(f"{args.target} ({args.dtype}), cache {args.context}, {report['threads']} threads, "
-          f"median of {args.repeats}")
-    print(f"AR round through the engine  {report['ar_round_ms']:7.1f} ms  vs bare 1-token forward "
-          f"{report['bare_forward_1_ms']:7.1f} ms  ratio {report['ar_overhead']:.3f}")
-    print(f"17-node tree verify+commit  {report['tree_verify_17_ms']:7.1f} ms  vs bare 17-token forward "
-          f"{report['bare_forward_17_ms']:7.1f} ms  ratio {report['tree_overhead']:.3f}")
-
-
-def cmd_dist(args) -> None:
-    from .drafters.load import default_drafter_path, default_weaver_path, shipped_drafter
-    from .eval.datasets import load_prompts
-    from .eval.dist import distribution_metrics, format_table, plot
-    from .models.dflash import DFlashDrafter
-    from .models.weaver import Weaver
-
-    prompts = load_prompts(args.dataset, args.field, args.limit)
-    target = _load_target(args)
-    path = args.drafter or shipped_drafter(args.target, "treeflash") or default_drafter_path(args.target, "dflash")
-    drafter = DFlashDrafter.from_pretrained(path, dtype=target.model.dtype).attach(target.model).to(target.device)
-    weaver, weaver_path = None, args.weaver or default_weaver_path(args.target, args.drafter)
-    if weaver_path:
-        weaver = Weaver.from_pretrained(weaver_path, target.model.dtype, drafter.dflash_folder(path))
-        weaver = weaver.attach(drafter).to(target.device)
-    report = {"target": args.target, "drafter": str(path), "weaver": weaver_path and str(weaver_path),
-              "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "temperature": args.temperature, "seed": args.seed,
-              "methods": distribution_metrics(target, drafter, prompts, args.max_new_tokens, not args.no_progress,
-                                              weaver, args.temperature, args.seed)}
-    print(format_table(report["methods"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.plot:
-        plot(report["methods"], args.plot)
-
-
-def cmd_gdn_bench(args) -> None:
-    import torch
-
-    from .gdn.bench import format_table, run_bench
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = run_bench(tuple(args.tree_size), args.heads, args.dk, args.dv, args.repeats, args.seed, args.device)
-    print(json.dumps(result) if args.json else format_table(result))
-
-
-def cmd_data(args) -> None:
-    import shlex
-    from pathlib import Path
-
-    from .eval.datasets import default_data_dir
-    from .train.data import regenerate, source_commit, training_prompts
-    from .train.store import AnswerStore, import_jsonl, stores
-
-    if args.data_command == "rank":
-        return cmd_rank(args)
-    if args.data_command == "manifest":
-        text = json.dumps([store.summary() for store in stores(args.data)], indent=2)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-        return print(text)
-    if args.data_command == "check":
-        store = stores(args.data)[0]
-        problems = store.verify()
-        for problem in problems:
-            print(f"{store.folder}/{problem}", file=sys.stderr)
-        print(json.dumps({"store": str(store.folder), "shards": len(store.entries()), "problems": len(problems)}))
-        return 1 if problems else None
-    if args.data_command == "import":
-        return print(json.dumps({"added": import_jsonl(args.folder, AnswerStore(args.into)), "store": args.into}))
-
-    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
-    prompts = training_prompts(data_dir, [s.strip() for s in args.sources.split(",") if s.strip()])
-    if args.limit:
-        prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
-    meta = {"target": args.target, "dtype": args.dtype, "commit": source_commit(),
-            "command": shlex.join(args.command_line)}
-    report = regenerate(_load_target(args), prompts, AnswerStore(args.out), meta, args.max_new_tokens,
-                        args.batch_size, seed=args.seed, temperature=args.temperature, shard_size=args.shard_size)
-    print(json.dumps(report))
-
-
-def cmd_rank(args) -> None:
-    from pathlib import Path
-
-    from .models.dflash_io import RANKING_FILE
-    from .train.data import token_ranking
-    from .train.store import stores
-
-    folder = Path(args.drafter)
-    if not (folder / "config.json").is_file():
-        raise UsageError(f"no drafter at {folder} (config.json missing)")
-    ranking, stats = token_ranking([a.response_ids for store in stores(args.data) for a in store.answers()])
-    (folder / RANKING_FILE).write_text(json.dumps({"data": args.data, **stats, "ranking": ranking}) + "\n")
-    if args.size is not None:
-        config = json.loads((folder / "config.json").read_text())
-        config["draft_vocab_size"] = args.size or None
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    print(json.dumps({"drafter": str(folder), **stats, "draft_vocab_size": args.size}))
-
-
-def _spread(items: list, n: int) -> list:
-    """n items drawn evenly across the list (a limit that keeps every source)."""
-    step = len(items) / n
-    return [items[int(i * step)] for i in range(min(n, len(items)))]
-
-
-def cmd_export(args) -> None:
-    from .models.export import export_drafter
-
-    summary = export_drafter(args.drafter, args.to, args.target)
-    print(json.dumps(summary, indent=2))
-
-
-def cmd_train(args) -> None:
-    from .target import default_device, native_bf16
-    from .train import dflash, dflash2, weaver
-
-    trainer = {"weaver": weaver, "dflash2": dflash2}.get(args.train_command, dflash)
-    if args.bf16 is None:  # emulated bf16 (AVX2-only CPUs) makes a step several times slower than fp32
-        args.bf16 = native_bf16(default_device(args.device))
-    print(json.dumps(trainer.run(args)))
-
-
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        args = build_parser().parse_args(argv)
-        args.command_line = ["treeflash", *(sys.argv[1:] if argv is None else argv)]  # what the manifests record
-        _quiet_libraries()
-        status = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "paired": cmd_paired,
-                  "overhead": cmd_overhead, "gdn-bench": cmd_gdn_bench, "dist": cmd_dist, "data": cmd_data,
-                  "export": cmd_export, "train": cmd_train}[args.command](args)
-    except KeyboardInterrupt:
-        print("treeflash: interrupted", file=sys.stderr)
-        return 130
-    except Exception as err:  # user-caused errors: one line, no traceback
-        from .eval.datasets import DatasetError
-        from .models.checkpoint import DrafterError
-        from .target import TargetError
-
-        if not isinstance(err, (UsageError, DatasetError, DrafterError, TargetError, OSError)):
-            raise
-        print(f"treeflash: error: {err}", file=sys.stderr)
-        return 2
-    return status or 0  # a command returns 1 when what it checked failed
-
-
-def _quiet_libraries() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    logging.basicConfig(level=logging.WARNING, format="treeflash: %(message)s")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,70 @@
+"""`treeflash data`: regen, rank, manifest, check, import."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .args import UsageError
+from .decode import _load_target
+
+
+def cmd_data(args) -> None:
+    import shlex
+    from pathlib import Path
+
+    from ..eval.datasets import default_data_dir
+    from ..train.data import regenerate, source_commit, training_prompts
+    from ..train.store import AnswerStore, import_jsonl, stores
+
+    if args.data_command == "rank":
+        return cmd_rank(args)
+    if args.data_command == "manifest":
+        text = json.dumps([store.summary() for store in stores(args.data)], indent=2)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return print(text)
+    if args.data_command == "check":
+        store = stores(args.data)[0]
+        problems = store.verify()
+        for problem in problems:
+            print(f"{store.folder}/{problem}", file=sys.stderr)
+        print(json.dumps({"store": str(store.folder), "shards": len(store.entries()), "problems": len(problems)}))
+        return 1 if problems else None
+    if args.data_command == "import":
+        return print(json.dumps({"added": import_jsonl(args.folder, AnswerStore(args.into)), "store": args.into}))
+
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    prompts = training_prompts(data_dir, [s.strip() for s in args.sources.split(",") if s.strip()])
+    if args.limit:
+        prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
+    meta = {"target": args.target, "dtype": args.dtype, "commit": source_commit(),
+            "command": shlex.join(args.command_line)}
+    report = regenerate(_load_target(args), prompts, AnswerStore(args.out), meta, args.max_new_tokens,
+                        args.batch_size, seed=args.seed, temperature=args.temperature, shard_size=args.shard_size)
+    print(json.dumps(report))
+
+
+def cmd_rank(args) -> None:
+    from pathlib import Path
+
+    from ..models.dflash_io import RANKING_FILE
+    from ..train.data import token_ranking
+    from ..train.store import stores
+
+    folder = Path(args.drafter)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"no drafter at {folder} (config.json missing)")
+    ranking, stats = token_ranking([a.response_ids for store in stores(args.data) for a in store.answers()])
+    (folder / RANKING_FILE).write_text(json.dumps({"data": args.data, **stats, "ranking": ranking}) + "\n")
+    if args.size is not None:
+        config = json.loads((folder / "config.json").read_text())
+        config["draft_vocab_size"] = args.size or None
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(json.dumps({"drafter": str(folder), **stats, "draft_vocab_size": args.size}))
+
+
+def _spread(items: list, n: int) -> list:
+    """n items drawn evenly across the list (a limit that keeps every source)."""
+    step = len(items) / n
+    return [items[int(i * step)] for i in range(min(n, len(items)))]
