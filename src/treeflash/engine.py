@@ -158,11 +158,10 @@ class OneLane:
 @dataclass
 class Outcome:
     """One round of B sequences: each one's new tokens (accepted drafts + the bonus token, before the caller cuts
-    them at EOS or its limit), verified tree, target logits on it and E[accepted | tree]; the round's times."""
+    them at EOS or its limit), verified tree and E[accepted | tree]; the round's times."""
 
     new: list[list[int]]
     trees: list[DraftTree]
-    logits: list[torch.Tensor]
     expected: list[float]
     draft_s: float
     verify_s: float  # verification, acceptance, commit and the round's bookkeeping
@@ -202,7 +201,7 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     t3 = _now(verifier.device)  # the round's bookkeeping is part of its time (what bench's tokens per second count)
     expected = [len(n) if s.greedy else expected_accepted(t, o.logits, s)  # a measure: not timed
                 for n, t, o, s in zip(new, trees, outs, samplings)]
-    return Outcome(new, trees, [o.logits for o in outs], expected, t1 - t0, t3 - t1, drafted)
+    return Outcome(new, trees, expected, t1 - t0, t3 - t1, drafted)
 
 
 def check_budget(budget: int | str, max_budget: int = DEFAULT_MAX_BUDGET) -> None:
