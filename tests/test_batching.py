@@ -1,5 +1,6 @@
 """Batched decoding: B sequences in one verify (and one drafter) forward give each sequence exactly what it gets
-alone: the same logits, the greedy tokens of plain AR decoding at T = 0 (exact samples at T > 0: test_exact_sequences)."""
+alone: the same logits, the greedy tokens of plain AR decoding at T = 0 (exact samples at T > 0:
+test_exact_sequences)."""
 
 import random
 

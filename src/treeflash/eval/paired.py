@@ -37,7 +37,7 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
             drafter.reset()
         seq = Sequence.start(prompt, target.prefill(prompt, taps=taps), sampling, generator)
         while not seq.done(max_new_tokens, target.eos_ids):
-            room, wanted = target.context_length - target.length - 1, max_new_tokens - len(seq.emitted)
+            room, wanted = verifier.room(), max_new_tokens - len(seq.emitted)
             for name in names[1:]:  # every other variant's tree, for the context the driver is about to extend
                 drafter, budget = drafters[name]
                 tree = drafter.propose(seq.tokens, seq.features, min(budget, room))
