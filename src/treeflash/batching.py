@@ -29,7 +29,7 @@ import torch
 from .clock import now
 from .drafters.base import Drafter
 from .drafters.block import BlockDrafter, observe_all
-from .engine import AUTO, DEFAULT_MAX_BUDGET, GenerationResult, Sequence, check_budget, run_round
+from .engine import AUTO, GenerationResult, Sequence, check_budget, default_max_budget, run_round
 from .speculation import BatchCosts, Policy, VerifyCosts
 from .target import Target, TargetError, TargetOutput
 from .tree import DraftTree
@@ -166,7 +166,8 @@ class BatchEngine:
     """Continuous batching over one target and one method; `budget`: draft nodes per tree, or "auto"."""
 
     def __init__(self, target: Target, drafter: Drafter, max_batch: int = 8, budget: int | str = AUTO,
-                 max_budget: int = DEFAULT_MAX_BUDGET):
+                 max_budget: int | None = None):
+        max_budget = max_budget or default_max_budget(target.device)  # None: the device's default
         check_budget(budget, max_budget)
         self.target, self.slots, self.batch = target, BatchTarget(target, max_batch), BatchDrafter(drafter)
         self.requests: list[Request] = []

@@ -19,9 +19,15 @@ from .tree import DraftTree
 from .verify import Sampling, accept, expected_accepted
 
 AUTO = "auto"
-# the largest tree `--budget auto` drafts: on 2-core CPUs 16 beat 32 (prompt lookup 1.50x vs 1.30x of AR at
-# T = 0, bf16): larger trees cost more to build than they add
+# the largest tree `--budget auto` drafts, by device: on 2-core CPUs 16 beat 32 (prompt lookup 1.50x vs 1.30x of
+# AR at T = 0, bf16): larger trees cost more to build than they add; a GPU verifies 65 tokens of an 8 B target for
+# little more than one (docs/results/gpu)
 DEFAULT_MAX_BUDGET = 16
+GPU_MAX_BUDGET = 64
+
+
+def default_max_budget(device: torch.device | str) -> int:
+    return GPU_MAX_BUDGET if torch.device(device).type == "cuda" else DEFAULT_MAX_BUDGET
 
 
 @dataclass
@@ -220,15 +226,17 @@ def generate(
     budget: int | str = AUTO,
     seed: int | None = None,
     on_token: Callable[[int], None] | None = None,
-    max_budget: int = DEFAULT_MAX_BUDGET,
+    max_budget: int | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` after `prompt`, stopping after an EOS token. Lossless for every drafter.
 
     `budget`: draft nodes per tree, or "auto": each round the tree prefix (up to `max_budget` nodes) that
-    maximises expected tokens per second, or a plain AR step when no tree pays (speculation.Policy).
+    maximises expected tokens per second, or a plain AR step when no tree pays (speculation.Policy); None:
+    the device's default (`default_max_budget`)
     `should_stop`, asked before every round, ends the generation early when it returns True (a server's client
     that left, a stop string seen, a deadline passed)."""
+    max_budget = max_budget or default_max_budget(target.device)
     check_budget(budget, max_budget)
     generator = None
     if seed is not None:

@@ -78,7 +78,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
                        paired: bool = False, serve: bool = False) -> None:
     """Decoding options; with `sweep` (bench, paired), --budget and --tfm-width take comma-separated lists, with
     `weavers` (paired) --weaver too; `serve` has --default-temperature for --temperature (requests name their own)."""
-    from ..engine import DEFAULT_MAX_BUDGET
+    from ..engine import DEFAULT_MAX_BUDGET, GPU_MAX_BUDGET
     from ..target import DEFAULT_TARGET
 
     ints, several = (_positive_ints, "; a list such as 16,64 runs each") if sweep else (_positive_int, "")
@@ -90,8 +90,8 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
                        help="draft nodes per tree, root excluded, or auto (default): each round the tree prefix "
                        "that maximises expected tokens per second, or a plain AR step when none pays"
                        + ("; a list such as auto,16,64 runs each" if sweep else ""))
-        p.add_argument("--max-budget", type=_positive_int, default=DEFAULT_MAX_BUDGET,
-                       help=f"the largest tree auto drafts ({DEFAULT_MAX_BUDGET})")
+        p.add_argument("--max-budget", type=_positive_int, default=None,
+                       help=f"the largest tree auto drafts ({DEFAULT_MAX_BUDGET} on a CPU, {GPU_MAX_BUDGET} on CUDA)")
     if serve:
         from ..serve.openai_api import DEFAULT_TEMPERATURE
 

@@ -20,10 +20,14 @@ def _sampling(args):
 
 
 def _load_target(args):
+    from ..engine import default_max_budget
     from ..target import Target
 
-    return Target.load(args.target, dtype=args.dtype, device=args.device, runtime=getattr(args, "runtime", "auto"),
-                       quantize=getattr(args, "quantize", "auto"), compile=getattr(args, "compile", "off"))
+    target = Target.load(args.target, dtype=args.dtype, device=args.device, runtime=getattr(args, "runtime", "auto"),
+                         quantize=getattr(args, "quantize", "auto"), compile=getattr(args, "compile", "off"))
+    if getattr(args, "max_budget", 0) is None:  # the device's default
+        args.max_budget = default_max_budget(target.device)
+    return target
 
 
 def _max_rss_mib() -> float:

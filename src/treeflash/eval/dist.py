@@ -37,7 +37,7 @@ def depth_stats(drafter: DFlashDrafter, seq: Sequence, target_logp: torch.Tensor
     """Sums over all anchors of the answer, per depth 1..γ-1: TVD, top-k hits, and the anchors counted.
     kind: "dflash" (marginals), "treeflash" (AR-layer conditionals) or "weaver" (`weaver`'s conditionals)."""
     parts = [_anchor_stats(drafter, seq, target_logp, taps, kind, a, weaver, temperature)
-             for a in torch.arange(seq.prompt_len, len(seq.tokens) - 1).split(chunk)]
+             for a in torch.arange(seq.prompt_len, len(seq.tokens) - 1, device=seq.tokens.device).split(chunk)]
     return {k: sum(p[k] for p in parts) for k in parts[0]}
 
 
@@ -52,7 +52,7 @@ def _anchor_stats(drafter, seq, target_logp, taps, kind, anchors, weaver, temper
     else:
         prev = None
         if kind == "treeflash":
-            back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1)
+            back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1, device=seq.tokens.device)
             prev = seq.tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
         h = drafter(anchors, seq.tokens, taps, prev)
         q = torch.softmax(drafter.logits(h).float(), dim=-1)  # [N, γ-1, V]
@@ -79,7 +79,7 @@ def distribution_metrics(target: Target, drafter: DFlashDrafter, prompts: list[s
         prompt = target.encode_prompt(text)
         answer = generate(target, make_drafter("ar"), prompt, max_new_tokens, Sampling(temperature),
                           seed=seed + i).tokens
-        seq = Sequence(torch.tensor(prompt + answer), len(prompt))
+        seq = Sequence(torch.tensor(prompt + answer, device=target.device), len(prompt))
         view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
         for kind in kinds:
             stats = depth_stats(drafter, seq, view.logp, view.taps.to(drafter.fc.weight.dtype), kind, weaver=weaver,

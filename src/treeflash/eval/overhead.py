@@ -8,11 +8,11 @@ compaction) against one bare causal forward of 17 tokens. Both should be close t
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
+from ..clock import now
 from ..drafters import make_drafter
 from ..engine import generate
 from ..target import Target
@@ -22,22 +22,22 @@ from ..verify import Sampling, accept
 
 def _bare_forward_s(target: Target, prefix: list[int], n: int) -> float:
     """One plain HF forward of n tokens on a cache holding `prefix` (the cache is built outside the timing)."""
-    cache = DynamicCache()
+    cache, device = DynamicCache(), target.device
     with torch.inference_mode():
-        target.model(torch.tensor([prefix]), cache=cache, use_cache=True)
-        ids = torch.tensor([prefix[-n:]])
-        start = time.perf_counter()
+        target.model(torch.tensor([prefix], device=device), cache=cache, use_cache=True)
+        ids = torch.tensor([prefix[-n:]], device=device)
+        start = now(device)
         target.model(ids, cache=cache, use_cache=True)
-        return time.perf_counter() - start
+        return now(device) - start
 
 
 def _tree_round_s(target: Target, prefix: list[int], tree: DraftTree) -> float:
     target.prefill(prefix)
-    start = time.perf_counter()
+    start = now(target.device)
     out = target.verify(tree)
     path, _ = accept(tree, out.logits, Sampling())
     target.commit(path)
-    return time.perf_counter() - start
+    return now(target.device) - start
 
 
 def wide_tree(root: int, vocab: int, size: int = 16) -> DraftTree:
