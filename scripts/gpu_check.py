@@ -7,6 +7,8 @@
                `ar`, alone and batched, and `ar` equal to transformers' own greedy `generate`
   speed        a random Qwen3-8B (36 layers) in bf16: prefill 4 K, verify latency at 1/17/65/257 tokens, kernels and
                host syncs per round, the engine's overhead, batches of 8 and 32
+  graphs       what CUDA graphs would give: a fixed-shape forward (a cache bucket, masks and indices on the device)
+               captured and replayed, against the eager verification of 1/17/65 tokens at 4 K
   train        one DFlash training step at Qwen3-8B width (target forward, drafter forward/backward, AdamW), peak
                memory
 
@@ -246,40 +248,42 @@ def speed(args) -> dict:
     prefill_s = timed(lambda: target.prefill(prompt), device, repeats=3, warmup=1)
     report["prefill"] = {"tokens": context, "ms": 1e3 * prefill_s, "tokens_per_s": context / prefill_s}
 
-    # verification of one tree after `context` positions: wall time, and what the GPU itself spent (profiler)
-    verify = {}
-    for size in (1, 17, 65, 257):
-        tree = random_tree(rng, vocab, size, prompt[-1])
+    # verification of one tree after `context` positions: wall time, then (profiled last: a profiler run can leave
+    # launches slower) the kernels and what the GPU itself spent
+    trees = {size: random_tree(rng, vocab, size, prompt[-1]) for size in (1, 17, 65, 257)}
 
-        def once(tree=tree):
-            target.verify(tree)
-            target.discard()
-        verify[size] = {"ms": 1e3 * timed(once, device, repeats=10)}
-        verify[size].update(kernel_stats(once, device))
-    report["verify"] = verify
+    def verify_once(tree):
+        target.verify(tree)
+        target.discard()
+    verify = {size: {"ms": 1e3 * timed(lambda t=tree: verify_once(t), device, repeats=10)}
+              for size, tree in trees.items()}
 
-    # one decoding round of ddtree (a random DFlash drafter of the published Qwen3-8B size: 5 layers, block 16):
-    # kernels and host syncs per round at budgets 16 and 64
+    # decoding rounds (a random DFlash drafter of the published Qwen3-8B size: 5 layers, block 16) after 512
+    # positions: times from a plain run; host syncs counted in a second (CUDA's sync debug mode slows it down)
     torch.manual_seed(1)
     config = DFlashConfig.for_target(target.config, num_layers=5, num_taps=5, block_size=16, mask_token_id=vocab - 1)
     dflash = DFlashDrafter(config).attach(target.model).to(device, dtype)
+    short, new = prompt[:512], 17
+    runs = {"ar": (make_drafter("ar"), 1), "ddtree@16": (block_drafter(dflash, "ddtree"), 16),
+            "ddtree@64": (block_drafter(dflash, "ddtree"), 64)}
     rounds = {}
-    new = 17
-    short = prompt[:512]
-    for budget in (16, 64):
-        drafter = block_drafter(dflash, "ddtree")
+    for name, (drafter, budget) in runs.items():
         generate(target, drafter, short, 4, budget=budget)  # warm-up
+        result = generate(target, drafter, short, new, budget=budget)
         with count_syncs() as syncs:
-            result = generate(target, drafter, short, new, budget=budget)
-        kernels = kernel_stats(lambda: generate(target, drafter, short, new, budget=budget), device)
+            generate(target, drafter, short, new, budget=budget)
         n = len(result.rounds)
-        rounds[budget] = {"rounds": n, "draft_ms": 1e3 * statistics.median(r.draft_s for r in result.rounds),
-                          "verify_ms": 1e3 * statistics.median(r.verify_s for r in result.rounds),
-                          "explicit_syncs_per_round": syncs.explicit / n, "implicit_syncs_per_round": syncs.implicit / n,
-                          "kernels_per_round": kernels["kernels"] / n}
-    ar = generate(target, make_drafter("ar"), short, new)
-    rounds["ar"] = {"rounds": len(ar.rounds), "ms": 1e3 * statistics.median(r.verify_s for r in ar.rounds)}
-    report["rounds"] = rounds
+        rounds[name] = {"rounds": n, "draft_ms": 1e3 * statistics.median(r.draft_s for r in result.rounds),
+                        "verify_ms": 1e3 * statistics.median(r.verify_s for r in result.rounds),
+                        "explicit_syncs_per_round": syncs.explicit / n, "implicit_syncs_per_round": syncs.implicit / n}
+    for size, tree in trees.items():
+        verify[size].update(kernel_stats(lambda t=tree: verify_once(t), device))
+    for name, (drafter, budget) in runs.items():
+        kernels = kernel_stats(lambda: generate(target, drafter, short, new, budget=budget), device)
+        rounds[name]["kernels_per_round"] = kernels["kernels"] / rounds[name]["rounds"]
+    again = generate(target, make_drafter("ar"), short, new)
+    rounds["ar"]["ms_after_profiling"] = 1e3 * statistics.median(r.verify_s for r in again.rounds)
+    report["verify"], report["rounds"] = verify, rounds
     report["overhead"] = measure_overhead(target, context=200, repeats=5)
 
     # batches: AR steps and ddtree rounds of B sequences of 512 positions
@@ -299,6 +303,77 @@ def speed(args) -> dict:
     report["batches"] = batches
     if device.type == "cuda":
         report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return report
+
+
+def fixed_shape_forward(decoder, ids, positions, cols, mask, capacity: int) -> torch.Tensor:
+    """The static decoder's forward in shapes that stay the same from round to round, what a CUDA graph needs:
+    attention to every slot of a cache bucket of `capacity` positions under `mask` [1, 1, g * n, capacity], the
+    tokens' K/V written at `cols` [1, n]; every input a device tensor. Logits [1, n, V]."""
+    from treeflash.models.static_decoder import _rms_norm, decoder_layer
+
+    cos, sin = decoder.cos[positions][:, None], decoder.sin[positions][:, None]
+    x = decoder.embed(ids)
+    for i, layer in enumerate(decoder.layers):
+        x = decoder_layer(layer, decoder.shape, x, cos, sin, decoder.cache.k[i, :1], decoder.cache.v[i, :1], capacity,
+                          None, cols, mask)
+    return decoder.lm_head(_rms_norm(x, decoder.final_norm))
+
+
+def graphs(args) -> dict:
+    """What CUDA graphs would give: `fixed_shape_forward` of a tree of n tokens after `context` positions, captured
+    once and replayed, against today's eager verification (wall time per call, and the same logits)."""
+    from treeflash import Target
+
+    shape = SMALL if args.small else QWEN3_8B
+    device, dtype = torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32
+    target = Target(random_qwen3(shape, shape["num_hidden_layers"], dtype, args.device), runtime="static")
+    d, vocab, rng = target.fast, shape["vocab_size"], random.Random(0)
+    context = 256 if args.small else 4096
+    capacity = context + 512  # a bucket: any context up to it replays the same graph
+    prompt = [rng.randrange(vocab) for _ in range(context)]
+    target.prefill(prompt)
+    d.cache.reserve(capacity, keep=context)
+    d._rope_table(capacity)
+    g = d.heads // d.kv_heads
+    report: dict = {"context": context, "capacity": capacity, "dtype": str(dtype).removeprefix("torch."), "sizes": {}}
+    for n in (1, 17, 65):
+        tree = random_tree(rng, vocab, n, prompt[-1])
+
+        def eager(tree=tree):
+            out = target.verify(tree)
+            target.discard()
+            return out.logits
+        row = {"eager_ms": 1e3 * timed(eager, device, repeats=10)}
+        reference = eager()
+        ids = torch.tensor([tree.tokens], device=device)
+        positions = tree.positions(context)[None].to(device)
+        cols = (context + torch.arange(n))[None].to(device)
+        mask = torch.zeros(n, capacity, dtype=torch.bool)
+        mask[:, :context] = True
+        mask[:, context:context + n] = tree.ancestor_mask()
+        mask = mask.repeat(g, 1)[None, None].to(device)
+
+        def fixed(ids=ids, positions=positions, cols=cols, mask=mask):
+            return fixed_shape_forward(d, ids, positions, cols, mask, capacity)
+        row["fixed_shape_eager_ms"] = 1e3 * timed(fixed, device, repeats=10)
+        logits = fixed()
+        if device.type == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capturing stream, as torch.cuda.graph asks
+                for _ in range(3):
+                    fixed()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = fixed()
+            row["graph_replay_ms"] = 1e3 * timed(graph.replay, device, repeats=20)
+            graph.replay()
+        logits = logits[0].float()
+        row["max_abs_diff"] = (logits - reference).abs().max().item()
+        row["same_argmax"] = bool((logits.argmax(-1) == reference.argmax(-1)).all())
+        report["sizes"][n] = row
     return report
 
 
@@ -359,7 +434,7 @@ def train_step(args) -> dict:
 
 
 STEPS = {"versions": versions, "triton": triton_kernel, "correctness": correctness, "speed": speed,
-         "train": train_step}
+         "graphs": graphs, "train": train_step}
 
 
 def main(argv: list[str] | None = None) -> int:

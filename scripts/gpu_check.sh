@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check: about 6 minutes on one H200, 10 at most. It needs the repository and PyPI packages only (CUDA
+# The GPU check: about 6 minutes on one H200, under 10. It needs the repository and PyPI packages only (CUDA
 # torch, triton, and treeflash's requirements: `pip install -e ".[test]"`): the target and the drafters are random
 # models with real shapes (scripts/gpu_check.py says what each step runs). Run it from the repository root; each
 # step has its own timeout and writes STEP.json into $OUT (default: ./gpu_check), and a failed step does not stop
-# the next. The exit status says whether all of them passed.
+# the next. The exit status says whether all of them passed. Named steps (`scripts/gpu_check.sh speed graphs`) run
+# alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
@@ -12,9 +13,11 @@ OUT="${OUT:-gpu_check}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 failed=()
+only=" $* "
 step() {  # step SECONDS NAME COMMAND...
     local limit=$1 name=$2
     shift 2
+    [ "$only" = "  " ] || [[ "$only" == *" $name "* ]] || return 0
     echo "== $name (at most $limit s)"
     timeout "$limit" "$@"
     local rc=$?
@@ -28,5 +31,6 @@ step 60 gdn-bench sh -c "'$PY' -m treeflash.cli gdn-bench --device cuda --tree-s
     --json > '$OUT/gdn_bench.json'"
 step 120 correctness "$PY" scripts/gpu_check.py correctness --out "$OUT"
 step 180 speed "$PY" scripts/gpu_check.py speed --out "$OUT"
+step 90 graphs "$PY" scripts/gpu_check.py graphs --out "$OUT"
 step 90 train "$PY" scripts/gpu_check.py train --out "$OUT"
 [ ${#failed[@]} -eq 0 ] && echo "all steps passed" || { echo "failed: ${failed[*]}"; exit 1; }

@@ -93,7 +93,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
         p.add_argument("--max-budget", type=_positive_int, default=None,
                        help=f"the largest tree auto drafts ({DEFAULT_MAX_BUDGET} on a CPU, {GPU_MAX_BUDGET} on CUDA)")
     if serve:
-        from ..serve.openai_api import DEFAULT_TEMPERATURE
+        from ..serve import DEFAULT_TEMPERATURE
 
         p.add_argument("--default-temperature", dest="temperature", type=float, default=DEFAULT_TEMPERATURE,
                        help=f"the temperature of requests that leave it out ({DEFAULT_TEMPERATURE:g}, OpenAI's "

@@ -3,3 +3,7 @@
 openai_api: OpenAI's request, answer and error shapes; text: tokens to text, cut at stop strings; worker: the one
 decoding thread behind a bounded queue; metrics: Prometheus text; app: the FastAPI routes.
 """
+
+# OpenAI's, for a request that leaves temperature out (`serve --default-temperature`); here, where the command line
+# reads it without importing the server's stack (pydantic, FastAPI)
+DEFAULT_TEMPERATURE = 1.0

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import DEFAULT_TEMPERATURE
+
 
 class APIError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
@@ -27,9 +29,6 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for a request that leaves temperature out (`serve --default-temperature`)
 
 
 def _default(*values) -> Callable[[Any], bool]:
