@@ -25,12 +25,12 @@ step() {  # step SECONDS NAME COMMAND...
     [ $rc -eq 0 ] || { echo "!! $name failed (exit $rc)"; failed+=("$name"); }
 }
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
-step 30 versions "$PY" scripts/gpu_check.py versions --out "$OUT"
-step 90 triton "$PY" scripts/gpu_check.py triton --out "$OUT"
-step 60 gdn-bench sh -c "'$PY' -m treeflash.cli gdn-bench --device cuda --tree-size 16,32,64,128 --repeats 10 \
+step 20 versions "$PY" scripts/gpu_check.py versions --out "$OUT"
+step 50 triton "$PY" scripts/gpu_check.py triton --out "$OUT"
+step 50 gdn-bench sh -c "'$PY' -m treeflash.cli gdn-bench --device cuda --tree-size 16,32,64,128 --repeats 10 \
     --json > '$OUT/gdn_bench.json'"
-step 120 correctness "$PY" scripts/gpu_check.py correctness --out "$OUT"
-step 180 speed "$PY" scripts/gpu_check.py speed --out "$OUT"
-step 90 graphs "$PY" scripts/gpu_check.py graphs --out "$OUT"
-step 90 train "$PY" scripts/gpu_check.py train --out "$OUT"
+step 130 correctness "$PY" scripts/gpu_check.py correctness --out "$OUT"
+step 150 speed "$PY" scripts/gpu_check.py speed --out "$OUT"
+step 60 graphs "$PY" scripts/gpu_check.py graphs --out "$OUT"
+step 60 train "$PY" scripts/gpu_check.py train --out "$OUT"
 [ ${#failed[@]} -eq 0 ] && echo "all steps passed" || { echo "failed: ${failed[*]}"; exit 1; }
