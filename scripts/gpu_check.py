@@ -4,11 +4,10 @@
   triton       the Triton GDN tree kernel, compiled, against the per-branch reference
   correctness  a random-initialised Qwen3 with Qwen3-8B's shapes (GQA 4:1, head dim 128, vocab 151,936) and two
                layers, fp32: static vs HF runtime on trees and on an uneven batch; every method's tokens equal to
-               `ar`, alone and batched, and `ar` equal to transformers' own greedy `generate`
-  speed        a random Qwen3-8B (36 layers) in bf16: prefill 4 K, verify latency at 1/17/65/257 tokens, kernels and
-               host syncs per round, the engine's overhead, batches of 8 and 32
-  graphs       what CUDA graphs would give: a fixed-shape forward (a cache bucket, masks and indices on the device)
-               captured and replayed, against the eager verification of 1/17/65 tokens at 4 K
+               `ar`, alone and batched, eager and with CUDA graphs; `ar` equal to transformers' greedy `generate`
+  speed        a random Qwen3-8B (36 layers) in bf16: prefill 4 K, the engine's overhead; then eager and with CUDA
+               graphs (`--compile`): verify latency at 1/17/65/257 tokens, times, kernels and host syncs per round,
+               batches of 8 and 32
   train        one DFlash training step at Qwen3-8B width (target forward, drafter forward/backward, AdamW), peak
                memory
 
@@ -195,40 +194,45 @@ def correctness(args) -> dict:
     report["uneven_batch_max_abs_diff"] = worst
     ok = report["trees_max_abs_diff"] < LOGIT_TOLERANCE and worst < LOGIT_TOLERANCE
 
-    # every method against ar, alone and batched; ar against transformers' generate (an outside reference)
-    n = 24 if args.small else 48
+    # every method against ar, alone and batched; ar against transformers' generate (an outside reference); then
+    # again with the verification forwards in fixed shapes (`--compile` on CUDA: CUDA graphs; on a CPU: eagerly)
+    n = 24 if args.small else 32
     prompts = [repetitive_prompt(random.Random(s), vocab, length) for s, length in ((1, 64), (2, 40), (3, 97))]
     ars = [generate(fast, make_drafter("ar"), p, n).tokens for p in prompts]
     hf = model.generate(torch.tensor([prompts[0]], device=model.device), max_new_tokens=n, do_sample=False,
                         min_new_tokens=n, pad_token_id=0)[0, len(prompts[0]):].tolist()
     report["ar_equals_transformers_generate"] = hf == ars[0]
     ok &= hf == ars[0]
-    methods = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = random_drafters(fast, Path(tmp))
-        for method, kw in paths.items():
-            drafter = make_drafter(method, fast, **kw)
-            single = generate(fast, drafter, prompts[0], n, budget=16)
-            batched = BatchEngine(fast, drafter, max_batch=2, budget=16).run(prompts, n)
-            methods[method] = {"single_equal": single.tokens == ars[0], "tau": round(single.tau, 3),
-                               "batched_equal": [r.tokens == a for r, a in zip(batched, ars)]}
-            if single.tokens != ars[0]:  # a flip: how close the target's top two were at the first difference
-                i = next(i for i, (x, y) in enumerate(zip(single.tokens, ars[0])) if x != y)
-                logits = ref.prefill(prompts[0] + ars[0][:i]).logits[-1].float()
-                top = logits.topk(2).values
-                methods[method]["first_difference"] = {"at": i, "top2_margin": (top[0] - top[1]).item()}
-            ok &= methods[method]["single_equal"] and all(methods[method]["batched_equal"])
-    report["methods"] = methods
+        for mode in ("eager", "graphs"):
+            if mode == "graphs":
+                if args.device == "cuda":
+                    fast.compile("on")
+                else:
+                    fast.fast.use_graphs(capture=False)
+            methods = report["methods" if mode == "eager" else "methods_graphs"] = {}
+            for method, kw in paths.items():
+                drafter = make_drafter(method, fast, **kw)
+                single = generate(fast, drafter, prompts[0], n, budget=16)
+                batched = BatchEngine(fast, drafter, max_batch=2, budget=16).run(prompts, n)
+                row = methods[method] = {"single_equal": single.tokens == ars[0], "tau": round(single.tau, 3),
+                                         "batched_equal": [r.tokens == a for r, a in zip(batched, ars)]}
+                if single.tokens != ars[0]:  # a flip: how close the target's top two were at the first difference
+                    i = next(i for i, (x, y) in enumerate(zip(single.tokens, ars[0])) if x != y)
+                    logits = ref.prefill(prompts[0] + ars[0][:i]).logits[-1].float()
+                    top = logits.topk(2).values
+                    row["first_difference"] = {"at": i, "top2_margin": (top[0] - top[1]).item()}
+                ok &= row["single_equal"] and all(row["batched_equal"])
+    report["graphs_captured"] = fast.compiled
     report["ok"] = bool(ok)
     return report
 
 
 def speed(args) -> dict:
     from treeflash import Target, generate
-    from treeflash.batching import BatchEngine
-    from treeflash.drafters import block_drafter, make_drafter
+    from treeflash.drafters import make_drafter
     from treeflash.eval.overhead import measure_overhead
-    from treeflash.eval.syncs import count_syncs
     from treeflash.models.dflash import DFlashDrafter
     from treeflash.models.dflash_config import DFlashConfig
 
@@ -243,13 +247,37 @@ def speed(args) -> dict:
                     "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9}
     if device.type == "cuda":
         report["weights_gib"] = torch.cuda.memory_allocated() / 2**30
-
     prompt = [rng.randrange(vocab) for _ in range(context)]
     prefill_s = timed(lambda: target.prefill(prompt), device, repeats=3, warmup=1)
     report["prefill"] = {"tokens": context, "ms": 1e3 * prefill_s, "tokens_per_s": context / prefill_s}
+    report["overhead"] = measure_overhead(target, context=200, repeats=5)
+    torch.manual_seed(1)  # a random DFlash drafter of the published Qwen3-8B size: 5 layers, block 16
+    config = DFlashConfig.for_target(target.config, num_layers=5, num_taps=5, block_size=16, mask_token_id=vocab - 1)
+    dflash = DFlashDrafter(config).attach(target.model).to(device, dtype)
 
-    # verification of one tree after `context` positions: wall time, then (profiled last: a profiler run can leave
-    # launches slower) the kernels and what the GPU itself spent
+    # the same measurements eager, then with the verification forwards as CUDA graphs (`--compile`: graphed.py)
+    report["eager"] = engine_costs(target, dflash, prompt, random.Random(1))
+    eager_ar = generate(target, make_drafter("ar"), prompt[:512], 32).tokens
+    if device.type == "cuda" and target.compile("on"):
+        report["graphs"] = engine_costs(target, dflash, prompt, random.Random(1))
+        graphed = generate(target, make_drafter("ar"), prompt[:512], 32).tokens
+        report["graphs"]["ar_tokens_equal_eager"] = graphed == eager_ar  # bf16: a near-tie may flip
+        report["graphs"]["captured_forwards"] = len(target.fast.cache.graphs)
+    if device.type == "cuda":
+        report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return report
+
+
+def engine_costs(target, dflash, prompt: list[int], rng: random.Random) -> dict:
+    """Verification of 1/17/65/257 tokens after the prompt; decoding rounds (ar, ddtree at budgets 16 and 64)
+    after its first 512 positions: times, host syncs, kernels; batches of 8 and 32 sequences."""
+    from treeflash import generate
+    from treeflash.batching import BatchEngine
+    from treeflash.drafters import block_drafter, make_drafter
+    from treeflash.eval.syncs import count_syncs
+
+    device, vocab = target.device, target.config.vocab_size
+    target.prefill(prompt)
     trees = {size: random_tree(rng, vocab, size, prompt[-1]) for size in (1, 17, 65, 257)}
 
     def verify_once(tree):
@@ -257,18 +285,14 @@ def speed(args) -> dict:
         target.discard()
     verify = {size: {"ms": 1e3 * timed(lambda t=tree: verify_once(t), device, repeats=10)}
               for size, tree in trees.items()}
-
-    # decoding rounds (a random DFlash drafter of the published Qwen3-8B size: 5 layers, block 16) after 512
-    # positions: times from a plain run; host syncs counted in a second (CUDA's sync debug mode slows it down)
-    torch.manual_seed(1)
-    config = DFlashConfig.for_target(target.config, num_layers=5, num_taps=5, block_size=16, mask_token_id=vocab - 1)
-    dflash = DFlashDrafter(config).attach(target.model).to(device, dtype)
+    # times from a plain run, host syncs counted in a second (CUDA's sync debug mode slows it down), kernels
+    # profiled last (a profiler run can leave launches slower)
     short, new = prompt[:512], 17
     runs = {"ar": (make_drafter("ar"), 1), "ddtree@16": (block_drafter(dflash, "ddtree"), 16),
             "ddtree@64": (block_drafter(dflash, "ddtree"), 64)}
     rounds = {}
     for name, (drafter, budget) in runs.items():
-        generate(target, drafter, short, 4, budget=budget)  # warm-up
+        generate(target, drafter, short, 4, budget=budget)  # warm-up (with graphs: their capture)
         result = generate(target, drafter, short, new, budget=budget)
         with count_syncs() as syncs:
             generate(target, drafter, short, new, budget=budget)
@@ -276,105 +300,27 @@ def speed(args) -> dict:
         rounds[name] = {"rounds": n, "draft_ms": 1e3 * statistics.median(r.draft_s for r in result.rounds),
                         "verify_ms": 1e3 * statistics.median(r.verify_s for r in result.rounds),
                         "explicit_syncs_per_round": syncs.explicit / n, "implicit_syncs_per_round": syncs.implicit / n}
-    for size, tree in trees.items():
-        verify[size].update(kernel_stats(lambda t=tree: verify_once(t), device))
-    for name, (drafter, budget) in runs.items():
-        kernels = kernel_stats(lambda: generate(target, drafter, short, new, budget=budget), device)
-        rounds[name]["kernels_per_round"] = kernels["kernels"] / rounds[name]["rounds"]
-    again = generate(target, make_drafter("ar"), short, new)
-    rounds["ar"]["ms_after_profiling"] = 1e3 * statistics.median(r.verify_s for r in again.rounds)
-    report["verify"], report["rounds"] = verify, rounds
-    report["overhead"] = measure_overhead(target, context=200, repeats=5)
-
-    # batches: AR steps and ddtree rounds of B sequences of 512 positions
     batches = {}
     for size in (8, 32):
         prompts = [[rng.randrange(vocab) for _ in range(512)] for _ in range(size)]
         row = {}
-        for name, drafter, budget in (("ar", make_drafter("ar"), 1), ("ddtree@16", block_drafter(dflash, "ddtree"), 16)):
+        for name, drafter, budget in (("ar", make_drafter("ar"), 1),
+                                      ("ddtree@16", block_drafter(dflash, "ddtree"), 16)):
             engine = BatchEngine(target, drafter, max_batch=size, budget=budget)
-            engine.run(prompts[:2], 2)  # warm-up
+            engine.run(prompts, 2)  # warm-up at this batch size
             engine.rounds, engine.draft_s, engine.verify_s = 0, 0.0, 0.0
             results = engine.run(prompts, 16)
             seconds = engine.draft_s + engine.verify_s
             row[name] = {"round_ms": 1e3 * seconds / engine.rounds,
                          "tokens_per_s": sum(len(r.tokens) - 1 for r in results) / seconds}
         batches[size] = row
-    report["batches"] = batches
-    if device.type == "cuda":
-        report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    return report
-
-
-def fixed_shape_forward(decoder, ids, positions, cols, mask, capacity: int) -> torch.Tensor:
-    """The static decoder's forward in shapes that stay the same from round to round, what a CUDA graph needs:
-    attention to every slot of a cache bucket of `capacity` positions under `mask` [1, 1, g * n, capacity], the
-    tokens' K/V written at `cols` [1, n]; every input a device tensor. Logits [1, n, V]."""
-    from treeflash.models.static_decoder import _rms_norm, decoder_layer
-
-    cos, sin = decoder.cos[positions][:, None], decoder.sin[positions][:, None]
-    x = decoder.embed(ids)
-    for i, layer in enumerate(decoder.layers):
-        x = decoder_layer(layer, decoder.shape, x, cos, sin, decoder.cache.k[i, :1], decoder.cache.v[i, :1], capacity,
-                          None, cols, mask)
-    return decoder.lm_head(_rms_norm(x, decoder.final_norm))
-
-
-def graphs(args) -> dict:
-    """What CUDA graphs would give: `fixed_shape_forward` of a tree of n tokens after `context` positions, captured
-    once and replayed, against today's eager verification (wall time per call, and the same logits)."""
-    from treeflash import Target
-
-    shape = SMALL if args.small else QWEN3_8B
-    device, dtype = torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32
-    target = Target(random_qwen3(shape, shape["num_hidden_layers"], dtype, args.device), runtime="static")
-    d, vocab, rng = target.fast, shape["vocab_size"], random.Random(0)
-    context = 256 if args.small else 4096
-    capacity = context + 512  # a bucket: any context up to it replays the same graph
-    prompt = [rng.randrange(vocab) for _ in range(context)]
     target.prefill(prompt)
-    d.cache.reserve(capacity, keep=context)
-    d._rope_table(capacity)
-    g = d.heads // d.kv_heads
-    report: dict = {"context": context, "capacity": capacity, "dtype": str(dtype).removeprefix("torch."), "sizes": {}}
-    for n in (1, 17, 65):
-        tree = random_tree(rng, vocab, n, prompt[-1])
-
-        def eager(tree=tree):
-            out = target.verify(tree)
-            target.discard()
-            return out.logits
-        row = {"eager_ms": 1e3 * timed(eager, device, repeats=10)}
-        reference = eager()
-        ids = torch.tensor([tree.tokens], device=device)
-        positions = tree.positions(context)[None].to(device)
-        cols = (context + torch.arange(n))[None].to(device)
-        mask = torch.zeros(n, capacity, dtype=torch.bool)
-        mask[:, :context] = True
-        mask[:, context:context + n] = tree.ancestor_mask()
-        mask = mask.repeat(g, 1)[None, None].to(device)
-
-        def fixed(ids=ids, positions=positions, cols=cols, mask=mask):
-            return fixed_shape_forward(d, ids, positions, cols, mask, capacity)
-        row["fixed_shape_eager_ms"] = 1e3 * timed(fixed, device, repeats=10)
-        logits = fixed()
-        if device.type == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capturing stream, as torch.cuda.graph asks
-                for _ in range(3):
-                    fixed()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = fixed()
-            row["graph_replay_ms"] = 1e3 * timed(graph.replay, device, repeats=20)
-            graph.replay()
-        logits = logits[0].float()
-        row["max_abs_diff"] = (logits - reference).abs().max().item()
-        row["same_argmax"] = bool((logits.argmax(-1) == reference.argmax(-1)).all())
-        report["sizes"][n] = row
-    return report
+    for size, tree in trees.items():
+        verify[size].update(kernel_stats(lambda t=tree: verify_once(t), device))
+    for name, (drafter, budget) in runs.items():
+        kernels = kernel_stats(lambda: generate(target, drafter, short, new, budget=budget), device)
+        rounds[name]["kernels_per_round"] = kernels["kernels"] / rounds[name]["rounds"]
+    return {"verify": verify, "rounds": rounds, "batches": batches}
 
 
 def kernel_stats(fn, device: torch.device) -> dict:
@@ -434,7 +380,7 @@ def train_step(args) -> dict:
 
 
 STEPS = {"versions": versions, "triton": triton_kernel, "correctness": correctness, "speed": speed,
-         "graphs": graphs, "train": train_step}
+         "train": train_step}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,8 @@ from treeflash.cli import available_methods
 from treeflash.drafters import make_drafter
 from treeflash.engine import GenerationResult, generate
 from treeflash.serve.app import Settings, create_app
-from treeflash.serve.openai_api import DEFAULT_TEMPERATURE, APIError
+from treeflash.serve import DEFAULT_TEMPERATURE
+from treeflash.serve.openai_api import APIError
 from treeflash.serve.text import TextStream
 from treeflash.batching import BatchEngine
 from treeflash.serve.worker import BatchWorker, Job, QueueFull, Worker, engine_decoder

@@ -495,3 +495,12 @@ def test_a_stage_ships_only_when_it_wins_everywhere(tmp_path):
     config = json.loads((shipped / "config.json").read_text())
     assert config["v"] == str(new) and config["treeflash_config"]["backbone"] == "../smollm2-135m-instruct-dflash"
     assert (shipped / "README.md").read_text() == "card"
+
+
+def test_batch_rule_for_many_processes():
+    from treeflash.train.trainer import DEFAULT_BATCH_SIZE, batch_size_for
+
+    assert [batch_size_for(None, w) for w in (1, 2, 3, 8)] == [DEFAULT_BATCH_SIZE, 4, 6, 8]
+    assert batch_size_for(16, 8) == 16
+    with pytest.raises(ValueError, match="multiple of the 8 processes"):
+        batch_size_for(4, 8)

@@ -32,6 +32,7 @@ from .drafters.block import BlockDrafter, observe_all
 from .engine import AUTO, GenerationResult, Sequence, check_budget, default_max_budget, run_round
 from .speculation import BatchCosts, Policy, VerifyCosts
 from .target import Target, TargetError, TargetOutput
+from .transfer import upload
 from .tree import DraftTree
 from .verify import Sampling
 
@@ -95,8 +96,8 @@ class BatchTarget:
             ids[b, :len(tree)] = torch.tensor(tree.tokens)
             positions[b, :len(tree)] = tree.positions(self.lengths[b])
             allowed[b, :len(tree), :len(tree)] = tree.ancestor_mask()
-        logits, hidden = self.target.fast.forward_batch(self.cache, 0, ids.to(device), positions.to(device),
-                                                        self.lengths, allowed.to(device), self.taps)
+        logits, hidden = self.target.fast.forward_batch(self.cache, 0, upload(ids, device), upload(positions, device),
+                                                        self.lengths, upload(allowed, device), self.taps)
         return [TargetOutput(logits[b, :len(t)].float(), None if hidden is None else hidden[b, :len(t)])
                 for b, t in enumerate(trees)]
 
@@ -106,7 +107,7 @@ class BatchTarget:
         for b, nodes in enumerate(paths):
             start = self.lengths[b]
             if nodes != list(range(len(nodes))):
-                self.cache.gather(b, start, torch.tensor(nodes, device=self.target.device) + start)
+                self.cache.gather(b, start, upload(torch.tensor(nodes), self.target.device) + start)
             self.lengths[b] = start + len(nodes)
 
 

@@ -36,6 +36,7 @@ from .models.checkpoint import error_line
 from .models.gguf_int4 import GGUFWeights, install as install_gguf
 from .models.static_decoder import StaticDecoder, unsupported_reason
 from .tree import DraftTree
+from .transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ RUNTIMES = ("auto", "static", "hf")
 # "none": the dense (for a GGUF: dequantised) weights
 QUANTIZE = ("auto", "none", "gguf", "int4")
 # "auto": the static runtime's decoding layers compiled (inductor) where they run the 4-bit kernel on the CPU and a
-# C++ compiler is there; "on": refuse to run without; "off": eager, the reference
+# C++ compiler is there, its verification forwards as CUDA graphs on a GPU; "on": refuse to run without; "off":
+# eager, the reference
 COMPILE = ("auto", "on", "off")
 
 
@@ -202,19 +204,25 @@ class Target:
 
     @property
     def compiled(self) -> bool:
-        """Whether the static runtime's decoding layers run compiled (`compile`)."""
-        return self.fast is not None and self.fast.compiled_layer is not None
+        """Whether the static runtime's decoding runs compiled (`compile`): its layers on a CPU, CUDA graphs on a
+        GPU."""
+        return self.fast is not None and (self.fast.compiled_layer is not None or self.fast.graphs == "capture")
 
     def compile(self, mode: str = "on") -> bool:
-        """Compile the static runtime's decoding layers (`StaticDecoder.compile`) as `mode` asks (auto: where
-        that is fast; on: refuse to stay eager; off: leave them as they are). Returns `compiled`."""
+        """Compile the static runtime's decoding as `mode` asks (auto: where that is fast; on: refuse to stay
+        eager; off: leave it as it is). On a CPU, its decoding layers through torch.compile
+        (`StaticDecoder.compile`); on CUDA, its verification forwards as CUDA graphs (`models/graphed.py`),
+        captured at each shape's first use. Returns `compiled`."""
         if mode not in COMPILE:
             raise TargetError(f"unknown compile {mode!r}; choose one of {', '.join(COMPILE)}")
+        if mode != "off" and self.fast is not None and self.device.type == "cuda":
+            self.fast.use_graphs()
+            return self.compiled
         why = None
         if self.fast is None:
             why = "the static runtime only"
         elif mode == "auto" and self.device.type != "cpu":
-            why = "auto compiles on the CPU only"  # untested on GPUs yet: `on` compiles there
+            why = "auto compiles on the CPU and CUDA only"
         elif shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("clang++") is None:
             why = "no C++ compiler (g++ or clang++) on the PATH"
         if mode == "off" or (mode == "auto" and why):
@@ -244,8 +252,8 @@ class Target:
         (a different model: speculation stays exact with respect to it), auto and none leave them dense. Under
         dtype auto on a CPU without native bf16, a GGUF target's activations are fp32 and its 4-bit products
         multiply in bf16. `compile`: auto compiles the decoding layers where that is fast (a 4-bit target on the
-        CPU; about 35 s at the first start on 2 cores, cached on disk after), on always, off never (the eager
-        reference)."""
+        CPU; about 35 s at the first start on 2 cores, cached on disk after; CUDA graphs of the verification
+        forwards on a GPU), on always, off never (the eager reference)."""
         if quantize not in QUANTIZE:
             raise TargetError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE)}")
         if compile != "off":
@@ -282,14 +290,15 @@ class Target:
     @contextmanager
     def eager(self):
         """Run the eager layers for a while, compiled or not (bench's `ar-eager`, tests)."""
-        rows = self.fast.compiled_rows if self.fast else 0
-        if self.fast:
-            self.fast.compiled_rows = 0
+        if self.fast is None:
+            yield
+            return
+        rows, graphs = self.fast.compiled_rows, self.fast.graphs
+        self.fast.compiled_rows, self.fast.graphs = 0, None
         try:
             yield
         finally:
-            if self.fast:
-                self.fast.compiled_rows = rows
+            self.fast.compiled_rows, self.fast.graphs = rows, graphs
 
     # ---- properties -------------------------------------------------------------------------------------------
     @property
@@ -331,7 +340,7 @@ class Target:
                  last_only: bool = False) -> TargetOutput:
         """ids, positions [n] after the committed cache; `allowed` [n, n]: which of these tokens each one sees
         (None: causal). Logits at every position, or at the last only."""
-        ids, positions = ids.to(self.device), positions.to(self.device)
+        ids, positions = upload(ids, self.device), upload(positions, self.device)
         if self.fast:
             logits, hidden = self.fast.forward(ids, positions, self.length, allowed, self.taps,
                                                slice(-1, None) if last_only else slice(None))
@@ -370,7 +379,7 @@ class Target:
         """One forward over the flattened tree. The tree's K/V stay pending until `commit`."""
         if self.pending:
             raise RuntimeError("commit() the previous tree before verifying another")
-        allowed = None if tree.is_chain else tree.ancestor_mask().to(self.device)  # a chain is causal
+        allowed = None if tree.is_chain else upload(tree.ancestor_mask(), self.device)  # a chain is causal
         # GDN layers always take the tree path: HF's multi-token path would write states a rejection must undo
         with self.gdn.tree(tree.parents) if self.gdn else nullcontext():
             out = self._forward(torch.tensor(tree.tokens), tree.positions(self.length), allowed)
@@ -400,7 +409,7 @@ class Target:
         """Keep the K/V of `nodes` (indices into the last verified tree, root first, a root-to-node path)."""
         start, k = self.length, len(nodes)
         if nodes != list(range(k)):
-            index = torch.tensor(nodes, device=self.device) + start
+            index = upload(torch.tensor(nodes), self.device) + start
             if self.fast:
                 self.fast.cache.gather(0, start, index)
             for layer in self._kv_layers():  # none on the fast path

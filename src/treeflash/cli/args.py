@@ -122,7 +122,8 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     p.add_argument("--compile", default=compile_default, choices=["auto", "on", "off"],
                    help="compile the target's decoding layers with torch.compile (inductor, C++ wrapper): auto does "
                    "where that is fast (a 4-bit GGUF target on the CPU, with a C++ compiler; about 35 s at the first "
-                   "start on 2 cores, cached after), on always, off never (eager: the reference); "
+                   "start on 2 cores, cached after; on CUDA, the verification forwards as CUDA graphs), on always, "
+                   "off never (eager: the reference); "
                    f"default {compile_default}")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
@@ -341,7 +342,8 @@ def build_parser() -> Parser:
                        help="the target's weights (auto: bf16 where the hardware multiplies it natively, else fp32)")
         t.add_argument("--device", default=None)
         t.add_argument("--steps", type=_positive_int, default=1000)
-        t.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step, all processes")
+        t.add_argument("--batch-size", type=_positive_int, default=None,
+                       help="sequences per step, over all processes (default 4, rounded up to a multiple of them)")
         t.add_argument("--lr", type=float, default=6e-4)
         t.add_argument("--num-anchors", type=_positive_int, default=512,
                        help="blocks per sequence, at most one per answer position (512: every position, mostly)")

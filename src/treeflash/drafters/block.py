@@ -18,6 +18,8 @@ from ..tree import DraftTree
 from ..verify import Sampling
 from .builders import BestFirst, Chain, SelectorChain, SelectorTree, TreeFlash, Weave
 
+CPU = torch.device("cpu")
+
 
 class BlockDrafter:
     """A block backbone `model` plus a tree `builder`, decoding method `name`."""
@@ -29,6 +31,8 @@ class BlockDrafter:
         self.taps = tuple(model.config.target_layer_ids)
         self.sampling, self.generator = Sampling(), None  # what the drafts are for (see `follow`)
         self.forward_s = 0.0  # cumulative, across sequences: time in the drafter's forward (for `bench`)
+        # bench: wait for a GPU around the forward, so that forward_s is its real time (one host sync more a round)
+        self.synced_timing = False
         self.adapter_calls = 0  # cumulative: sequential AR-layer / Weaver calls in tree builds
         self.reset()
 
@@ -51,12 +55,13 @@ class BlockDrafter:
 
     def draft(self, tokens, features) -> torch.Tensor:
         """One drafter forward: pre-norm states [γ - 1, H] of the block after the root tokens[-1]."""
-        start = now(self.model.fc.weight.device)
+        clock = self.model.fc.weight.device if self.synced_timing else CPU  # (the CPU's clock never waits)
+        start = now(clock)
         if features is not None and len(features):
             self.observe(features)
         assert self.ctx_len == len(tokens) - 1, "the drafter's context must cover every committed position"
         h = self.model.draft_states(tokens[-1], self.ctx_len, self.context)
-        self.forward_s += now(h.device) - start
+        self.forward_s += now(clock) - start
         return h
 
     @torch.no_grad()

@@ -55,7 +55,7 @@ def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = 
 def compiled_like(target, model: DFlashDrafter) -> DFlashDrafter:
     """The drafter's block forward compiled where the target's layers are (`--compile`): a round then costs its
     products and little else. A drafter without a compiled form, or a toolchain that fails, drafts eager."""
-    if target.compiled:
+    if target.compiled and target.device.type == "cpu":  # (a GPU target's CUDA graphs: the drafter stays eager)
         try:
             model.compile_block()
         except ValueError:

@@ -119,6 +119,8 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             loaded[v.method, v.width] = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8,
                                                      draft_vocab_size)
         drafter = loaded[v.method, v.width]
+        if hasattr(drafter, "synced_timing"):  # a block drafter: its forward's own time, in the table's split
+            drafter.synced_timing = True
         chain = drafter.model.config.block_size - 1 if v.method == "dflash" else None
         key = (v.method, min(v.budget, chain) if chain and v.budget != AUTO else v.budget, v.width)
         if key not in seen:  # a chain never outgrows its block: larger budgets would draft the same trees

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..transfer import upload
 from . import dflash_io, packed
 from .ar_layer import ARApproximation
 from .blocks import BlocksOverContext, Layer, RMSNorm
@@ -219,7 +220,7 @@ class DFlashDrafter(nn.Module):
         """Inference: pre-norm states [γ - 1, H] of the drafted positions of the block after `root` (at
         `position`), given the cached context K/V."""
         device = self.fc.weight.device
-        roots = torch.tensor([root], device=device)
+        roots = upload(torch.tensor([root]), device)
         if self.compiled_block is not None and isinstance(ctx_kv, ContextCache) and position == len(ctx_kv):
             forward, weights = self.compiled_block
             return forward(self.block_tokens(roots)[0], position, ctx_kv.k, ctx_kv.v, *weights)[1:]

@@ -16,17 +16,24 @@ What makes it lean, each against what the generic HF path does:
   heads of a group into the query axis instead of repeating K/V;
 - only the tapped layers' outputs are kept, and the LM head runs only at the positions asked for;
 - on request (`compile`), forwards of a few rows run each layer through `torch.compile` (`compiled_layer.py`), with
-  `decoder_layer` as the eager reference.
+  `decoder_layer` as the eager reference; on CUDA, verification forwards run as CUDA graphs in fixed shapes
+  (`graphed.py`: token buckets, attention over the cache's capacity under a mask built on the device).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from ..transfer import upload
+from .graphed import CaptureError, FixedShapeForward, bucket
 from .int4 import Int4Linear
 from .packed import linear, pack, packed_linear
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -186,6 +193,7 @@ class KVCache:
             k[..., :keep, :] = self.k[..., :keep, :]
             v[..., :keep, :] = self.v[..., :keep, :]
         self.k, self.v = k, v
+        self.graphs: dict = {}  # the fixed-shape forwards over these tensors (graphed.py), by shape
 
     def reserve(self, length: int, keep: int) -> None:
         """Room for `length` positions (keeping the first `keep` of every slot)."""
@@ -233,6 +241,14 @@ class StaticDecoder:
         self._rope_table(capacity)
         self.cache = self.new_cache(1, capacity)
         self.compiled_layer, self.compiled_weights, self.compiled_rows = None, [], 0
+        self.graphs: str | None = None  # "capture": verification forwards as CUDA graphs; "eager": same shapes
+
+    def use_graphs(self, capture: bool = True) -> None:
+        """Run verification forwards (all logits, up to 257 tokens a sequence) in fixed shapes (`graphed.py`),
+        captured as CUDA graphs, or eagerly in the same shapes (`capture=False`: the CPU's check of the logic)."""
+        if capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.graphs = "capture" if capture else "eager"
 
     def compile(self) -> None:
         """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, compiled here:
@@ -288,6 +304,25 @@ class StaticDecoder:
                                             None if allowed is None else allowed[None], taps, logits_at)
         return logits[0], None if hidden is None else hidden[0]
 
+    def _fixed_shape(self, cache: KVCache, first_slot: int, ids, positions, starts, allowed, taps):
+        """forward_batch through the fixed-shape forward of this shape (captured at its first use)."""
+        B, n = ids.shape
+        nb = bucket(n)
+        cache.reserve(max(starts) + nb, keep=max(starts))  # the padding writes past the tree too
+        self._rope_table(cache.capacity)
+        if not set(taps) <= set(range(-1, len(self.layers))):
+            raise IndexError(f"taps {taps} name layers the model does not have (-1..{len(self.layers) - 1})")
+        key = (first_slot, B, nb, taps)
+        if key not in cache.graphs:
+            cache.graphs[key] = FixedShapeForward(self, cache, first_slot, B, nb, taps, self.graphs == "capture")
+        try:
+            return cache.graphs[key](ids, positions, starts, allowed)
+        except CaptureError as err:
+            log.warning("CUDA graphs: capture failed, verifying eager from now on: %s", err)
+            self.graphs = None
+            cache.graphs.clear()
+            return self.forward_batch(cache, first_slot, ids, positions, starts, allowed, taps)
+
     @torch.inference_mode()
     def forward_batch(self, cache: KVCache, first_slot: int, ids: torch.Tensor, positions: torch.Tensor,
                       starts: list[int], allowed: torch.Tensor | None, taps: tuple[int, ...] = (),
@@ -296,6 +331,8 @@ class StaticDecoder:
         ids, positions [B, n]; sequence b attends to its cache [0, starts[b]) and, within its n tokens, where
         `allowed` [B, n, n] (None: causal). Returns logits [B, k, V] and taps [B, n, len(taps), H] or None."""
         B, n = ids.shape
+        if self.graphs and isinstance(logits_at, slice) and logits_at == slice(None) and bucket(n):
+            return self._fixed_shape(cache, first_slot, ids, positions, starts, allowed, tuple(taps))
         end = max(starts) + n
         cache.reserve(end, keep=max(starts))
         g = self.heads // self.kv_heads
@@ -304,12 +341,13 @@ class StaticDecoder:
         slots = slice(first_slot, first_slot + B)
         even = all(s == starts[0] for s in starts)  # one start: slices; else one indexed write per layer
         # where each sequence's tokens go in its cache: [B, n] positions (the compiled layer always writes by index)
-        cols = torch.tensor(starts, device=ids.device)[:, None] + torch.arange(n, device=ids.device)
+        first = upload(torch.tensor(starts), ids.device)  # each sequence's first position
+        cols = first[:, None] + torch.arange(n, device=ids.device)
         mask = None
         if n > 1 or not even:  # each sequence sees its own cache; within the block, causal or its tree's ancestors
             inner = allowed if allowed is not None else torch.ones(B, n, n, dtype=torch.bool,
                                                                    device=ids.device).tril()
-            mask = torch.arange(end, device=ids.device) < torch.tensor(starts, device=ids.device)[:, None, None]
+            mask = torch.arange(end, device=ids.device) < first[:, None, None]
             mask = mask.expand(B, n, end).clone()
             if even:
                 mask[:, :, starts[0]:end] = inner

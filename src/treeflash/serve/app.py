@@ -29,8 +29,9 @@ from starlette.exceptions import HTTPException
 from ..batching import BatchEngine
 from ..engine import GenerationResult
 from ..verify import Sampling
+from . import DEFAULT_TEMPERATURE
 from .metrics import CONTENT_TYPE
-from .openai_api import DEFAULT_TEMPERATURE, APIError, ChatRequest, CompletionRequest, Reply, _Request, usage
+from .openai_api import APIError, ChatRequest, CompletionRequest, Reply, _Request, usage
 from .text import TextStream
 from .worker import BatchWorker, Finished, Job, QueueFull, Worker, engine_decoder
 

@@ -15,8 +15,6 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import DEFAULT_TEMPERATURE
-
 
 class APIError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""

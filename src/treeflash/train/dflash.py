@@ -263,12 +263,10 @@ def setup(args):
     from ..target import Target
     from .trainer import init_distributed
 
-    rank, world = init_distributed()
+    rank, world = init_distributed()  # (each process on its own GPU)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    elif world > 1 and not args.threads:
+    if not torch.cuda.is_available() and world > 1 and not args.threads:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     # the dense weights: training was measured on them (a GGUF target's int4 kernels have no gradients either)
     target = Target.load(args.target, dtype=args.target_dtype, device=args.device, quantize="none")
@@ -281,7 +279,7 @@ def launch(args, world: int, rank: int, model: torch.nn.Module, trainable: list,
            model_dir: str = "drafter", save_model=None) -> dict:
     """Write train_args.json and run the shared training loop; the model is saved to `out/model_dir` by
     `save_model(folder)` (default: its save_pretrained)."""
-    from .trainer import TrainConfig, train
+    from .trainer import TrainConfig, batch_size_for, train
 
     cfg = TrainConfig(out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       save_every=args.save_every, log_every=args.log_every, keep_every=args.keep_every,
@@ -289,7 +287,8 @@ def launch(args, world: int, rank: int, model: torch.nn.Module, trainable: list,
     if rank == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "train_args.json").write_text(json.dumps(
-            {**vars(args), "world_size": world, "num_sequences": len(data),
+            {**vars(args), "batch_size": batch_size_for(args.batch_size, world), "world_size": world,
+             "num_sequences": len(data),
              "trained_parameters": sum(p.numel() for p in trainable),
              "drafter_parameters": sum(p.numel() for p in model.parameters())}, indent=2, default=str))
     return train(model, trainable, data, loss_fn, cfg, save_model or model.save_pretrained, resume=not args.no_resume)

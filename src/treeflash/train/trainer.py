@@ -40,7 +40,7 @@ from .losses import cosine_lr
 class TrainConfig:
     out: str
     steps: int = 1000
-    batch_size: int = 4  # sequences per optimizer step, over all processes
+    batch_size: int | None = None  # sequences per optimizer step, over all processes (None: `batch_size_for`)
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.0
@@ -52,12 +52,28 @@ class TrainConfig:
     model_dir: str = "drafter"  # the trained model is saved to out/model_dir
 
 
+DEFAULT_BATCH_SIZE = 4
+
+
 def init_distributed() -> tuple[int, int]:
-    """(rank, world size); starts the process group when launched by torchrun."""
+    """(rank, world size); starts the process group when launched by torchrun, each process on its own GPU first
+    (NCCL binds a process to the device that is current when the group starts)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank() if world > 1 else 0), world
+
+
+def batch_size_for(requested: int | None, world: int) -> int:
+    """Sequences per optimizer step over `world` processes: as requested (a multiple of the processes, each takes
+    the same share), or by default DEFAULT_BATCH_SIZE rounded up to one (8 processes: 8)."""
+    if requested is None:
+        return -(-DEFAULT_BATCH_SIZE // world) * world
+    if requested % world:
+        raise ValueError(f"batch size {requested} must be a multiple of the {world} processes")
+    return requested
 
 
 @functools.lru_cache(maxsize=2)
@@ -127,9 +143,8 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    if cfg.batch_size % world:
-        raise ValueError(f"batch size {cfg.batch_size} must be a multiple of the {world} processes")
-    per_rank = cfg.batch_size // world
+    batch_size = batch_size_for(cfg.batch_size, world)
+    per_rank = batch_size // world
     wrapped = DistributedDataParallel(model) if world > 1 else model
     optim = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
@@ -158,7 +173,7 @@ def train(model: torch.nn.Module, trainable: list[torch.nn.Parameter], samples: 
         optim.zero_grad(set_to_none=True)
         stats_sum: dict[str, torch.Tensor] = {}
         for micro in range(per_rank):
-            slot = step * cfg.batch_size + micro * world + rank
+            slot = step * batch_size + micro * world + rank
             epoch, i = divmod(slot, len(samples))
             sample = samples[_permutation(cfg.seed, epoch, len(samples))[i]]
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + slot)  # anchors etc.: exact on resume

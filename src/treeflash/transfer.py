@@ -1,0 +1,18 @@
+"""Host-to-device copies that do not make the host wait.
+
+A plain `.to("cuda")` of a tensor in pageable memory blocks the host until the copy is done: one host
+synchronisation per small tensor (ids, positions, masks, indices), several per round. From pinned memory the copy is
+queued on the stream like a kernel, in order with the forward that reads it (PyTorch's pinned-memory pool keeps the
+source alive until the copy has run).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the host) on `device`, without a host synchronisation where the device is a GPU."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
