@@ -111,7 +111,8 @@ class FakeClock:
 
     def __init__(self, monkeypatch, target, drafter, verify_ms, draft_ms=lambda verified: 1.0):
         self.t, self.verified = 0.0, 0
-        for clock in ("treeflash.engine._now", "treeflash.speculation.now", "treeflash.batching.now"):
+        for clock in ("treeflash.engine._now", "treeflash.engine._host", "treeflash.speculation.now",
+                      "treeflash.batching.now"):
             monkeypatch.setattr(clock, self.now)
         monkeypatch.setattr("treeflash.speculation._costs", weakref.WeakKeyDictionary())
         monkeypatch.setattr("treeflash.speculation._policies", weakref.WeakKeyDictionary())

@@ -6,13 +6,12 @@ one sequence (as gpt-fast's generate.py splits them); `batching.BatchEngine` run
 
 from __future__ import annotations
 
-import time
 from dataclasses import InitVar, dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
-from .clock import now as _now
+from .clock import host as _host, now as _now
 from .drafters.base import Drafter
 from .speculation import Policy, policy_for
 from .target import Target, TargetOutput
@@ -188,7 +187,7 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     budget = max(min(budget, verifier.room()), 0)
     # host clock, no synchronisation: building the trees and accepting read the device's results, so t1 and t2
     # come after the work they time (only the commit's copies may still run, and count in the next round)
-    t0 = time.perf_counter()
+    t0 = _host()
     drafted = budget > 0 and lanes.drafts and (policy is None or policy.should_draft())
     if drafted:
         trees = lanes.propose(seqs, [budget] * len(seqs))
@@ -196,19 +195,19 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
             trees = policy.choose(trees)
     else:  # plain AR steps: the drafters' contexts catch up at their next call
         trees = [DraftTree.chain(s.tokens[-1]) for s in seqs]
-    t1 = time.perf_counter()
+    t1 = _host()
     outs = verifier.verify(trees)
     picks = [accept(t, o.logits, s, g) for t, o, s, g in zip(trees, outs, samplings, generators)]
     paths = [path for path, _ in picks]
     verifier.commit(paths)
-    t2 = time.perf_counter()
+    t2 = _host()
     new = []
     for seq, tree, out, (path, bonus) in zip(seqs, trees, outs, picks):
         seq.add_features(out.hidden, path)
         new.append([tree.tokens[i] for i in path[1:]] + [bonus])
     if policy:
         policy.observe(trees, paths, sum(map(len, new)), t1 - t0, t2 - t1, drafted)
-    t3 = time.perf_counter()  # the round's bookkeeping is part of its time (what bench's tokens per second count)
+    t3 = _host()  # the round's bookkeeping is part of its time (what bench's tokens per second count)
     expected = [len(n) if s.greedy else expected_accepted(t, o.logits, s)  # a measure: not timed
                 for n, t, o, s in zip(new, trees, outs, samplings)]
     return Outcome(new, trees, expected, t1 - t0, t3 - t1, drafted)

@@ -56,7 +56,7 @@ RUNTIMES = ("auto", "static", "hf")
 # "none": the dense (for a GGUF: dequantised) weights
 QUANTIZE = ("auto", "none", "gguf", "int4")
 # "auto": the static runtime's decoding layers compiled (inductor) where they run the 4-bit kernel on the CPU and a
-# C++ compiler is there, its verification forwards as CUDA graphs on a GPU; "on": refuse to run without; "off":
+# C++ compiler is there; "on": refuse to run without, and on a GPU the verification forwards as CUDA graphs; "off":
 # eager, the reference
 COMPILE = ("auto", "on", "off")
 
@@ -211,18 +211,19 @@ class Target:
     def compile(self, mode: str = "on") -> bool:
         """Compile the static runtime's decoding as `mode` asks (auto: where that is fast; on: refuse to stay
         eager; off: leave it as it is). On a CPU, its decoding layers through torch.compile
-        (`StaticDecoder.compile`); on CUDA, its verification forwards as CUDA graphs (`models/graphed.py`),
-        captured at each shape's first use. Returns `compiled`."""
+        (`StaticDecoder.compile`); on CUDA, with `on`, its verification forwards as CUDA graphs
+        (`models/graphed.py`), captured at each shape's first use. Returns `compiled`."""
         if mode not in COMPILE:
             raise TargetError(f"unknown compile {mode!r}; choose one of {', '.join(COMPILE)}")
-        if mode != "off" and self.fast is not None and self.device.type == "cuda":
+        if mode == "on" and self.fast is not None and self.device.type == "cuda":
             self.fast.use_graphs()
             return self.compiled
         why = None
         if self.fast is None:
             why = "the static runtime only"
         elif mode == "auto" and self.device.type != "cpu":
-            why = "auto compiles on the CPU and CUDA only"
+            # CUDA graphs are opt-in (`on`) until the GPU check has run them in the engine (docs/results/gpu)
+            why = "auto compiles on the CPU only"
         elif shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("clang++") is None:
             why = "no C++ compiler (g++ or clang++) on the PATH"
         if mode == "off" or (mode == "auto" and why):
@@ -252,8 +253,8 @@ class Target:
         (a different model: speculation stays exact with respect to it), auto and none leave them dense. Under
         dtype auto on a CPU without native bf16, a GGUF target's activations are fp32 and its 4-bit products
         multiply in bf16. `compile`: auto compiles the decoding layers where that is fast (a 4-bit target on the
-        CPU; about 35 s at the first start on 2 cores, cached on disk after; CUDA graphs of the verification
-        forwards on a GPU), on always, off never (the eager reference)."""
+        CPU; about 35 s at the first start on 2 cores, cached on disk after), on always (on a GPU: CUDA graphs of
+        the verification forwards), off never (the eager reference)."""
         if quantize not in QUANTIZE:
             raise TargetError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE)}")
         if compile != "off":

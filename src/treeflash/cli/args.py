@@ -122,8 +122,8 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     p.add_argument("--compile", default=compile_default, choices=["auto", "on", "off"],
                    help="compile the target's decoding layers with torch.compile (inductor, C++ wrapper): auto does "
                    "where that is fast (a 4-bit GGUF target on the CPU, with a C++ compiler; about 35 s at the first "
-                   "start on 2 cores, cached after; on CUDA, the verification forwards as CUDA graphs), on always, "
-                   "off never (eager: the reference); "
+                   "start on 2 cores, cached after), on always (on CUDA: the verification forwards as CUDA graphs, "
+                   "not yet run on a GPU in the engine), off never (eager: the reference); "
                    f"default {compile_default}")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
