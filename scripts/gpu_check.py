@@ -54,19 +54,6 @@ def random_qwen3(shape: dict, layers: int, dtype: torch.dtype, device: str, seed
     return model.to(dtype).eval()
 
 
-def random_tree(rng: random.Random, vocab: int, size: int, root: int):
-    from treeflash import DraftTree
-
-    tokens, parents, seen = [root], [-1], set()
-    while len(tokens) < size:
-        parent, token = rng.randrange(len(tokens)), rng.randrange(vocab)
-        if (parent, token) not in seen:
-            seen.add((parent, token))
-            tokens.append(token)
-            parents.append(parent)
-    return DraftTree.from_parents(tokens, parents)
-
-
 def repetitive_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     """Repeated motifs, so that prompt lookup finds matches."""
     motifs = [[rng.randrange(vocab) for _ in range(rng.randint(2, 5))] for _ in range(4)]
@@ -154,6 +141,7 @@ def correctness(args) -> dict:
     from treeflash import Target, generate
     from treeflash.batching import BatchEngine, BatchTarget
     from treeflash.drafters import make_drafter
+    from treeflash.tree import random_tree
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products in fp32: the exact path
     torch.backends.cudnn.allow_tf32 = False
@@ -275,6 +263,7 @@ def engine_costs(target, dflash, prompt: list[int], rng: random.Random) -> dict:
     from treeflash.batching import BatchEngine
     from treeflash.drafters import block_drafter, make_drafter
     from treeflash.eval.syncs import count_syncs
+    from treeflash.tree import random_tree
 
     device, vocab = target.device, target.config.vocab_size
     target.prefill(prompt)

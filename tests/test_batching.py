@@ -16,12 +16,12 @@ from treeflash.batching import BatchEngine, BatchTarget
 from treeflash.drafters import block_drafter, make_drafter
 from treeflash.models.dflash import ContextCache
 from treeflash.target import TargetError
+from treeflash.tree import random_tree
 
 from conftest import tiny_target
 from test_dflash import tiny_drafter
 from test_lossless import repetitive_prompt
 from test_speculation import costs
-from test_target import random_tree
 from test_treeflash import treeflash_drafter
 from test_weaver import tiny_weaver
 

@@ -17,12 +17,13 @@ from treeflash.drafters.load import compiled_like
 from treeflash.models.dflash import ContextCache
 from treeflash.models.static_decoder import DENSE_ROWS
 from treeflash.target import TargetError
+from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter, tiny_target
 from test_dflash import tiny_drafter
 from test_int4 import BF16_LOGIT_ATOL, FP32_ATOL, WIDE, int4_tiny
 from test_lossless import repetitive_prompt
-from test_target import check_tree_logits, random_tree
+from test_target import check_tree_logits
 
 # the compiled layer's attention is two fp32 reductions and a softmax, SDPA's another summation order
 COMPILED_FP32_ATOL = 5 * FP32_ATOL

@@ -8,26 +8,16 @@ import random
 import pytest
 import torch
 
-from treeflash import DraftTree, generate
+from treeflash import generate
 from treeflash.batching import BatchEngine, BatchTarget
 from treeflash.drafters import make_drafter
 from treeflash.models.graphed import TOKEN_BUCKETS, bucket
+from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter, tiny_target
 from test_lossless import repetitive_prompt
 
 ATOL = 1e-5  # fp32: attention over the padded cache bucket sums in another order
-
-
-def random_tree(rng: random.Random, vocab: int, size: int) -> DraftTree:
-    tokens, parents, seen = [rng.randrange(vocab)], [-1], set()
-    while len(tokens) < size:
-        parent, token = rng.randrange(len(tokens)), rng.randrange(vocab)
-        if (parent, token) not in seen:
-            seen.add((parent, token))
-            tokens.append(token)
-            parents.append(parent)
-    return DraftTree.from_parents(tokens, parents)
 
 
 def fixed_shape(target):

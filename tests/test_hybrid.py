@@ -14,10 +14,11 @@ from transformers import (DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Q
 
 from treeflash import DraftTree, Target, generate
 from treeflash.drafters import make_drafter
+from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter
 from test_lossless import repetitive_prompt
-from test_target import check_tree_logits, random_tree, sequential_logits
+from test_target import check_tree_logits, sequential_logits
 
 HYBRID = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,

@@ -13,10 +13,11 @@ from treeflash import DraftTree, Target, generate
 from treeflash.drafters import make_drafter
 from treeflash.models.gguf_int4 import int4_linear, int4_parts
 from treeflash.models.int4 import Int4Linear, Int4Weight, dequantise, quantise, quantise_model
+from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter, TINY
 from test_lossless import repetitive_prompt
-from test_target import check_tree_logits, random_tree
+from test_target import check_tree_logits
 
 FP32_ATOL = 1e-5  # fp32 products in another summation order
 FP32_RTOL = 1.3e-6  # torch.testing's own for fp32: sums of larger terms

@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from treeflash import DraftTree, Target
+from treeflash.tree import random_tree
 
 from conftest import tiny_target
 
@@ -27,17 +28,6 @@ def sequential_logits(target: Target, ids: list[int]) -> torch.Tensor:
     """Reference: no cache, no mask tricks, the whole sequence at once; the last position's logits."""
     with torch.inference_mode():
         return target.model(torch.tensor([ids])).logits[0, -1].float()
-
-
-def random_tree(rng: random.Random, vocab: int, n: int) -> DraftTree:
-    tokens, parents, used = [rng.randrange(vocab)], [-1], set()
-    while len(tokens) < n:
-        p, tok = rng.randrange(len(tokens)), rng.randrange(vocab)
-        if (p, tok) not in used:
-            used.add((p, tok))
-            tokens.append(tok)
-            parents.append(p)
-    return DraftTree.from_parents(tokens, parents)
 
 
 def check_tree_logits(target: Target, prompt: list[int], tree: DraftTree, atol: float) -> None:

@@ -7,6 +7,7 @@ flattened and fed to the target as one sequence with an ancestor attention mask 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -133,3 +134,16 @@ class DraftTree:
 
     def positions(self, start: int) -> torch.Tensor:
         return start + torch.tensor(self.depths, dtype=torch.long)
+
+
+def random_tree(rng: random.Random, vocab: int, size: int, root: int | None = None) -> DraftTree:
+    """A tree of `size` nodes (root included) of random shape and tokens, each parent's children distinct: what
+    tests and benchmarks verify when no drafter is needed."""
+    tokens, parents, used = [rng.randrange(vocab) if root is None else root], [-1], set()
+    while len(tokens) < size:
+        parent, token = rng.randrange(len(tokens)), rng.randrange(vocab)
+        if (parent, token) not in used:
+            used.add((parent, token))
+            tokens.append(token)
+            parents.append(parent)
+    return DraftTree.from_parents(tokens, parents)
