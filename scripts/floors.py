@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from treeflash.models.packed import linear, pack
+from treeflash.runtime.packed import linear, pack
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # q|k|v, o, gate|up, down of SmolLM2-135M
 LAYERS = 30

@@ -18,7 +18,7 @@ import torch
 
 from treeflash import DraftTree, Sampling, Target
 from treeflash.drafters import make_drafter
-from treeflash.models.int4 import Int4Linear
+from treeflash.runtime.int4 import Int4Linear
 from treeflash.verify import accept
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 17)
@@ -52,8 +52,8 @@ def verify_ms(target: Target, context: list[int], tree: DraftTree) -> float:
 
 def products_ms(target: Target, n: int) -> float:
     """Every 4-bit product of one forward at n rows (the fused modules the static runtime calls), back to back."""
-    fused = [p.int4 for layer in target.fast.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    head = target.fast.lm_head.int4
+    fused = [p.int4 for layer in target.static.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    head = target.static.lm_head.int4
     xs = {m.in_features: torch.randn(n, m.in_features, dtype=target.dtype) for m in fused}
 
     def run():
@@ -71,7 +71,7 @@ def main() -> None:
     int4 = Target.load(dtype="bfloat16")  # the command line's default here: the GGUF's own blocks
     compiled = Target.load(dtype="bfloat16", compile="on")  # ... and its default compiled layer
     dense = Target.load(dtype="bfloat16", quantize="none")
-    assert isinstance(int4.fast.lm_head.int4, Int4Linear)
+    assert isinstance(int4.static.lm_head.int4, Int4Linear)
     prompt = int4.encode_prompt("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
                                 "clips in May. How many clips did Natalia sell altogether?")
     context = (prompt * 8)[:200]
@@ -86,7 +86,7 @@ def main() -> None:
                "int4_products_ms": products_ms(int4, n)}
         rows.append(row)
         print(json.dumps(row))
-    head = int4.fast.lm_head.int4  # its share of the products
+    head = int4.static.lm_head.int4  # its share of the products
     head_ms = {n: timed(lambda: head(torch.randn(n, head.in_features, dtype=int4.dtype))) for n in (1, 4, 17)}
 
     drafting = {}
@@ -122,7 +122,7 @@ def main() -> None:
     def bookkeeping():
         tree.ancestor_mask(), tree.positions(int4.length)
         path, _ = accept(tree, logits, Sampling())
-        int4.fast.cache.gather(0, int4.length, torch.tensor(path) + int4.length)
+        int4.static.cache.gather(0, int4.length, torch.tensor(path) + int4.length)
     book = timed(bookkeeping)
     ar_step = rows[0]["int4_compiled_chain_ms"]  # the command line's AR step
     report = {"verify": rows, "lm_head_ms": head_ms, "drafting": drafting, "bookkeeping_9_nodes_ms": book,

@@ -198,7 +198,7 @@ def correctness(args) -> dict:
                 if args.device == "cuda":
                     fast.compile("on")
                 else:
-                    fast.fast.use_graphs(capture=False)
+                    fast.static.use_graphs(capture=False)
             methods = report["methods" if mode == "eager" else "methods_graphs"] = {}
             for method, kw in paths.items():
                 drafter = make_drafter(method, fast, **kw)
@@ -250,7 +250,7 @@ def speed(args) -> dict:
         report["graphs"] = engine_costs(target, dflash, prompt, random.Random(1))
         graphed = generate(target, make_drafter("ar"), prompt[:512], 32).tokens
         report["graphs"]["ar_tokens_equal_eager"] = graphed == eager_ar  # bf16: a near-tie may flip
-        report["graphs"]["captured_forwards"] = len(target.fast.cache.graphs)
+        report["graphs"]["captured_forwards"] = len(target.static.cache.graphs)
     if device.type == "cuda":
         report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return report

@@ -18,7 +18,7 @@ import warnings
 import torch
 from forward_costs import timed  # scripts/ is on the path when a script runs
 
-from treeflash.models.int4 import Int4Weight, quantise
+from treeflash.runtime.int4 import Int4Weight, quantise
 
 # [out, in] of q, k, v, o, gate, up, down: distinct products, as the int4 runtime runs them (floors.py fuses some)
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]

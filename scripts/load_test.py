@@ -90,7 +90,7 @@ def references(args) -> list[str]:
     """Plain decoding of every prompt, as `treeflash generate --method ar` decodes it."""
     from treeflash.drafters import make_drafter
     from treeflash.engine import generate
-    from treeflash.target import Target
+    from treeflash.runtime import Target
 
     target = Target.load(args.target, dtype=args.dtype)
     return [target.decode(generate(target, make_drafter("ar"), target.encode_prompt(p), args.max_tokens).tokens)

@@ -12,7 +12,7 @@ import time
 import torch
 
 from treeflash.eval.datasets import load_prompts
-from treeflash.target import Target
+from treeflash.runtime import Target
 
 
 def main() -> None:

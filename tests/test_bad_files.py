@@ -51,7 +51,7 @@ def other_target(folder):
 @pytest.mark.parametrize("breakage", [break_weights, break_json, drop_field, wrong_field, other_target])
 def test_a_broken_drafter_is_one_line(tmp_path, tiny_folder, capsys, kind, breakage):  # noqa: F811
     from treeflash.models.dflash2 import DFlash2Drafter
-    from treeflash.target import Target
+    from treeflash.runtime import Target
 
     target = Target.load(tiny_folder, dtype="float32")
     folder = tmp_path / "drafter"
@@ -87,7 +87,7 @@ def test_a_broken_weaver_is_one_line(tmp_path, capsys):
 # ---- a GGUF that is not one ------------------------------------------------------------------------------------
 def gguf_bytes(cut: float) -> bytes:
     """The first `cut` of the embedded target's GGUF: what a download stopped early leaves."""
-    from treeflash.target import embedded_gguf
+    from treeflash.runtime import embedded_gguf
 
     data = embedded_gguf("smollm2-135m-instruct").read_bytes()
     return data[: int(len(data) * cut)]
@@ -180,7 +180,7 @@ def test_an_answer_store_ignores_what_an_interrupted_write_left(tmp_path, tiny_f
     leaves a shard the manifest does not name. Neither is read, `data check` names the stray shard, and the next
     write replaces both."""
     from test_train import STORE_META, write_store
-    from treeflash.target import Target
+    from treeflash.runtime import Target
     from treeflash.train.store import AnswerStore, load_answers
 
     folder = write_store(tmp_path, tiny_folder)

@@ -15,7 +15,7 @@ from treeflash import DraftTree, generate
 from treeflash.batching import BatchEngine, BatchTarget
 from treeflash.drafters import block_drafter, make_drafter
 from treeflash.models.dflash import ContextCache
-from treeflash.target import TargetError
+from treeflash.runtime import TargetError
 from treeflash.tree import random_tree
 
 from conftest import tiny_target

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from treeflash.cli import main
-from treeflash.target import resolve
+from treeflash.runtime import resolve
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from treeflash.batching import BatchTarget
 from treeflash.drafters import block_drafter, make_drafter
 from treeflash.drafters.load import compiled_like
 from treeflash.models.dflash import ContextCache
-from treeflash.models.static_decoder import DENSE_ROWS
-from treeflash.target import TargetError
+from treeflash.runtime.static_decoder import DENSE_ROWS
+from treeflash.runtime import TargetError
 from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter, tiny_target
@@ -50,8 +50,8 @@ def eager_logits(target: Target, prompt: list[int], tree: DraftTree) -> torch.Te
 @needs_compiler
 def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled):
     rng = random.Random(0)
-    assert compiled.fast.compiled_rows == DENSE_ROWS[torch.float32] - 1
-    for n in range(1, compiled.fast.compiled_rows + 3):  # past the last compiled row count: eager again
+    assert compiled.static.compiled_rows == DENSE_ROWS[torch.float32] - 1
+    for n in range(1, compiled.static.compiled_rows + 3):  # past the last compiled row count: eager again
         prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
         tree = random_tree(rng, 96, n)
         compiled.prefill(prompt)
@@ -76,7 +76,7 @@ def test_compiled_batches_equal_eager_ones(compiled):
         sizes = [rng.choice([1, 1, 2, 3]) for _ in histories]  # B * n within the compiled rows
         trees = [random_tree(rng, 96, n) for n in sizes]
         outs = batches[0].verify(trees)
-        assert len(trees) * max(sizes) <= compiled.fast.compiled_rows  # this ran compiled
+        assert len(trees) * max(sizes) <= compiled.static.compiled_rows  # this ran compiled
         with compiled.eager():
             refs = batches[1].verify(trees)
         paths = [tree.path_to(rng.randrange(len(tree))) for tree in trees]
@@ -139,9 +139,9 @@ def test_a_failing_toolchain_leaves_auto_eager(monkeypatch):
         def layer(*args):
             raise RuntimeError("C++ compile error\nPython.h: No such file or directory")
         return layer
-    monkeypatch.setattr("treeflash.models.compiled_layer.compile_layer", broken)
+    monkeypatch.setattr("treeflash.runtime.compiled_layer.compile_layer", broken)
     target = int4_tiny("llama", **WIDE)
-    assert not target.compile("auto") and not target.compiled and target.fast.compiled_rows == 0
+    assert not target.compile("auto") and not target.compiled and target.static.compiled_rows == 0
     prompt = repetitive_prompt(random.Random(4), 96)
     assert len(generate(target, make_drafter("ar"), prompt, max_new_tokens=8).tokens) == 8
     with pytest.raises(TargetError, match="torch.compile failed: C\\+\\+ compile error"):

@@ -77,7 +77,7 @@ def test_mask_token_is_a_real_token():
     from transformers import AutoTokenizer
 
     from treeflash.models.dflash_config import choose_mask_token
-    from treeflash.target import resolve
+    from treeflash.runtime import resolve
 
     smollm2 = AutoTokenizer.from_pretrained(resolve("smollm2-135m-instruct"))
     assert choose_mask_token(smollm2) == 16  # <empty_output>: special, and neither a turn marker nor EOS

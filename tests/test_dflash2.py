@@ -479,7 +479,7 @@ def test_train_dflash2_cli(tmp_path, tiny_folder):  # noqa: F811
     from treeflash import generate
     from treeflash.cli import main
     from treeflash.drafters import make_drafter
-    from treeflash.target import Target
+    from treeflash.runtime import Target
 
     write_store(tmp_path, tiny_folder)
     assert main(train_args(tmp_path, tiny_folder, tmp_path / "dflash", 2)) == 0

@@ -11,7 +11,7 @@ import torch
 from treeflash import generate
 from treeflash.batching import BatchEngine, BatchTarget
 from treeflash.drafters import make_drafter
-from treeflash.models.graphed import TOKEN_BUCKETS, bucket
+from treeflash.runtime.graphed import TOKEN_BUCKETS, bucket
 from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter, tiny_target
@@ -21,7 +21,7 @@ ATOL = 1e-5  # fp32: attention over the padded cache bucket sums in another orde
 
 
 def fixed_shape(target):
-    target.fast.use_graphs(capture=False)
+    target.static.use_graphs(capture=False)
     return target
 
 
@@ -45,7 +45,7 @@ def test_fixed_shape_verification_equals_the_static_runtime(kind):
         path = tree.path_to(rng.randrange(len(tree)))
         plain.commit(path)
         fixed.commit(path)
-    shapes = {key[2] for key in fixed.fast.cache.graphs}
+    shapes = {key[2] for key in fixed.static.cache.graphs}
     assert shapes <= set(TOKEN_BUCKETS) and len(shapes) >= 4  # one fixed-shape forward per bucket, reused
 
 
@@ -89,4 +89,4 @@ def test_graphs_need_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
     with pytest.raises(ValueError, match="CUDA"):
-        tiny_target("llama").fast.use_graphs()
+        tiny_target("llama").static.use_graphs()

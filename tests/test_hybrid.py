@@ -48,13 +48,13 @@ def hybrid(request) -> Target:
 
 
 def gdn_states(target: Target) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(target.cache.get_conv_state(i).clone(), target.cache.get_recurrent_state(i).clone())
+    return [(target.backend.cache.get_conv_state(i).clone(), target.backend.cache.get_recurrent_state(i).clone())
             for i in GDN_LAYERS]
 
 
 def test_hybrid_target_wraps_its_gdn_layers(hybrid):
-    assert hybrid.gdn is not None and sorted(hybrid.gdn.modules) == GDN_LAYERS
-    assert Target(hybrid.model).gdn is hybrid.gdn  # installed once per model
+    assert hybrid.backend.gdn is not None and sorted(hybrid.backend.gdn.modules) == GDN_LAYERS
+    assert Target(hybrid.model).backend.gdn is hybrid.backend.gdn  # installed once per model
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -63,7 +63,7 @@ def test_tree_logits_equal_sequential(hybrid, seed, n, prompt_len):
     rng = random.Random(seed)
     prompt = [rng.randrange(96) for _ in range(prompt_len)]
     check_tree_logits(hybrid, prompt, random_tree(rng, 96, n), atol=5e-4)
-    assert sorted(hybrid.gdn.pending) == GDN_LAYERS  # the tree path ran on every GDN layer
+    assert sorted(hybrid.backend.gdn.pending) == GDN_LAYERS  # the tree path ran on every GDN layer
 
 
 def test_verify_writes_no_gdn_state(hybrid):
@@ -107,7 +107,7 @@ def test_commit_leaves_the_sequential_cache(hybrid, seed):
     committed = gdn_states(hybrid)
     nxt = DraftTree.chain(rng.randrange(96), [rng.randrange(96) for _ in range(3)])
     out = hybrid.verify(nxt)
-    keys = hybrid.cache.layers[1].keys.clone()
+    keys = hybrid.backend.cache.layers[1].keys.clone()
 
     hybrid.prefill(accepted)  # the sequential reference: HF's own (chunked) prefill
     for (conv, state), (conv_ref, state_ref) in zip(committed, gdn_states(hybrid)):
@@ -115,7 +115,7 @@ def test_commit_leaves_the_sequential_cache(hybrid, seed):
         torch.testing.assert_close(state, state_ref, atol=2e-4, rtol=0)
     ref = hybrid.verify(nxt)
     torch.testing.assert_close(out.logits, ref.logits, atol=5e-4, rtol=0)
-    torch.testing.assert_close(keys, hybrid.cache.layers[1].keys, atol=1e-4, rtol=0)
+    torch.testing.assert_close(keys, hybrid.backend.cache.layers[1].keys, atol=1e-4, rtol=0)
     full = accepted + list(nxt.tokens)
     torch.testing.assert_close(out.logits[-1], sequential_logits(hybrid, full), atol=5e-4, rtol=0)
 

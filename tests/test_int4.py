@@ -11,8 +11,8 @@ from gguf.quants import dequantize, quantize
 
 from treeflash import DraftTree, Target, generate
 from treeflash.drafters import make_drafter
-from treeflash.models.gguf_int4 import int4_linear, int4_parts
-from treeflash.models.int4 import Int4Linear, Int4Weight, dequantise, quantise, quantise_model
+from treeflash.runtime.gguf_int4 import int4_linear, int4_parts
+from treeflash.runtime.int4 import Int4Linear, Int4Weight, dequantise, quantise, quantise_model
 from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter, TINY
@@ -131,7 +131,7 @@ def test_int4_static_runtime_gives_the_int4_models_own_logits(kind):
     kind, _, wide = kind.partition("/")
     target = int4_tiny(kind, **(WIDE if wide else {}))
     assert target.runtime == "static"
-    assert (target.fast.layers[0].qkv.int4 is not None) == bool(wide)  # fused, or run one by one
+    assert (target.static.layers[0].qkv.int4 is not None) == bool(wide)  # fused, or run one by one
     rng = random.Random(0)
     for n in (1, 5, 17):
         check_tree_logits(target, [rng.randrange(96) for _ in range(9)], random_tree(rng, 96, n), atol=FP32_ATOL)
@@ -156,7 +156,7 @@ def test_smollm2_keeps_its_gguf_blocks_and_stays_close_to_the_dequantised_model(
     product is 4-bit, the logits agree within the named tolerance. With bf16 activations (the CLI's default where
     bf16 is native), and with the fp32 activations that dtype auto keeps on CPUs without it (AVX2 only)."""
     if dtype == "auto/avx2":
-        monkeypatch.setattr("treeflash.target.native_bf16", lambda device: False)
+        monkeypatch.setattr("treeflash.runtime.loading.native_bf16", lambda device: False)
         target = Target.load("smollm2-135m-instruct", dtype="auto")
         assert target.dtype == torch.float32
     else:
@@ -179,7 +179,7 @@ def test_smollm2_keeps_its_gguf_blocks_and_stays_close_to_the_dequantised_model(
 def test_many_rows_run_on_the_second_layout_with_the_same_weights():
     """From DENSE_ROWS rows on, a fused 4-bit projection multiplies by a dense packed copy of the kernel's own
     weights: the same products within fp32 rounding."""
-    from treeflash.models.static_decoder import DENSE_ROWS, _Projection
+    from treeflash.runtime.static_decoder import DENSE_ROWS, _Projection
 
     linears = [Int4Linear([random_int4(n, 64, torch.float32, seed=n)[0]]) for n in (128, 64)]
     separate = [Int4Linear(list(m.parts)) for m in linears]  # the same weights, kept out of the fusion
@@ -194,7 +194,7 @@ def test_many_rows_run_on_the_second_layout_with_the_same_weights():
 def test_fp32_activations_of_a_bf16_kernel_get_an_fp32_second_layout():
     """Without native bf16, dtype auto keeps fp32 activations around bf16 4-bit products; products of many rows
     run on an fp32 packed copy of the kernel's weights, which skips the rounding of the inputs to bf16."""
-    from treeflash.models.static_decoder import DENSE_ROWS, _Projection
+    from treeflash.runtime.static_decoder import DENSE_ROWS, _Projection
 
     linear = Int4Linear([random_int4(64, 64, torch.bfloat16, seed=3)[0]])
     projection = _Projection([linear], torch.float32)

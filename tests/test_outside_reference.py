@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from treeflash import generate
 from treeflash.batching import BatchEngine
 from treeflash.drafters import METHODS, make_drafter
-from treeflash.target import resolve
+from treeflash.runtime import resolve
 
 STEPS = 128
 PROMPTS = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflash.models.packed import PackedLinear, pack, pack_linears
+from treeflash.runtime.packed import PackedLinear, pack, pack_linears
 
 # bf16 packed products are bitwise F.linear's here; fp32 ones sum in another order
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 0.0}

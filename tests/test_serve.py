@@ -35,7 +35,7 @@ from treeflash.serve.openai_api import APIError
 from treeflash.serve.text import TextStream
 from treeflash.batching import BatchEngine
 from treeflash.serve.worker import BatchWorker, Job, QueueFull, Worker, engine_decoder
-from treeflash.target import Target, resolve
+from treeflash.runtime import Target, resolve
 from treeflash.verify import Sampling
 
 from openapi_fuzz import operations, requests
@@ -249,6 +249,7 @@ BAD = [  # (endpoint, body, status, param)
     ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("completions", {**DONE, "prompt": ""}, 400, "prompt"),
+    ("completions", {**DONE, "prompt": "\u0016"}, 400, "prompt"),  # a control character: no tokens at all
     ("completions", {**DONE, "prompt": ["a", "b"]}, 400, "prompt"),
     ("completions", {**DONE, "prompt": "word " * 9000}, 400, "prompt"),
     ("completions", {**DONE, "best_of": 3}, 400, "best_of"),

@@ -19,9 +19,9 @@ ATOL = 1e-5  # fp32: the same computation in another order
 def cached_keys(target: Target) -> torch.Tensor:
     """[layers, kv_heads, positions, head_dim]: the keys the target holds (committed and pending)."""
     n = target.length + target.pending
-    if target.fast:
-        return target.fast.cache.k[:, 0, :, :n].clone()
-    return torch.stack([layer.keys[0, :, :n] for layer in target.cache.layers])
+    if target.static is not None:
+        return target.static.cache.k[:, 0, :, :n].clone()
+    return torch.stack([layer.keys[0, :, :n] for layer in target.backend.cache.layers])
 
 
 def sequential_logits(target: Target, ids: list[int]) -> torch.Tensor:
@@ -102,8 +102,8 @@ def test_static_runtime_equals_the_hf_reference(kind):
     """The fast path against the HF runtime on the same weights: prefill, tree verification, commit of a
     scattered path, decoding on (logits and taps), past the static cache's and the RoPE table's first length."""
     fast, ref = tiny_target(kind, runtime="static"), tiny_target(kind, runtime="hf")
-    fast.fast.cache._allocate(8, keep=0)  # a small cache, so that it must grow mid-sequence
-    fast.fast.cos, fast.fast.sin = fast.fast.cos[:8], fast.fast.sin[:8]  # and so must the RoPE table
+    fast.static.cache._allocate(8, keep=0)  # a small cache, so that it must grow mid-sequence
+    fast.static.cos, fast.static.sin = fast.static.cos[:8], fast.static.sin[:8]  # and so must the RoPE table
     rng = random.Random(1)
     vocab = fast.config.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(6)]

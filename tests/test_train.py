@@ -147,7 +147,7 @@ def test_training_saves_the_draft_vocabulary_it_trained_on(tmp_path, tiny_folder
 def write_store(tmp_path, target_folder, n=6, length=40):
     """A prompt set (gsm8k/train.jsonl under tmp_path/data) and an answer store (tmp_path/regen) of random answers
     to it, as `data regen` would write them for the target in `target_folder`."""
-    from treeflash.target import Target
+    from treeflash.runtime import Target
 
     data = tmp_path / "data"
     (data / "gsm8k").mkdir(parents=True, exist_ok=True)
@@ -256,7 +256,7 @@ def test_regen_appends_to_a_store_and_resumes_from_it(tmp_path, tiny_folder):  #
     assert held["tokens"] == sum(len(a.response_ids) for a in answers) and len(held["runs"]) == 1
     assert main(["data", "check", str(tmp_path / "regen")]) == 0
     # training reads the prompts back by id and encodes them: the ids the answers were made for
-    from treeflash.target import Target
+    from treeflash.runtime import Target
 
     target = Target.load(tiny_folder, dtype="float32")
     rows = load_answers(tmp_path / "regen", target.encode_prompt, data)
@@ -266,7 +266,7 @@ def test_regen_appends_to_a_store_and_resumes_from_it(tmp_path, tiny_folder):  #
 def test_the_store_finds_what_is_wrong_with_it(tmp_path, tiny_folder, capsys):  # noqa: F811
     """Changed, missing and stray shards; a prompt that no longer encodes to its answer's ids; another target."""
     from treeflash.eval.datasets import DatasetError
-    from treeflash.target import Target
+    from treeflash.runtime import Target
 
     folder = write_store(tmp_path, tiny_folder)
     store = AnswerStore(folder)
@@ -339,7 +339,7 @@ def test_the_chat_dev_set_is_held_out(tmp_path, monkeypatch):
 
 
 def test_regen_samples_at_a_temperature_and_training_reads_both(tmp_path, tiny_folder):  # noqa: F811
-    from treeflash.target import Target
+    from treeflash.runtime import Target
 
     data = _gsm8k_prompts(tmp_path, 4)
     encode = Target.load(tiny_folder, dtype="float32").encode_prompt
@@ -362,11 +362,11 @@ def test_regen_samples_at_a_temperature_and_training_reads_both(tmp_path, tiny_f
 def test_continuous_regen_gives_the_padded_hf_batches_answers(tmp_path, tiny_folder):  # noqa: F811
     """The fast path (continuous batching on the static runtime) against its reference (HF `generate` on left-padded
     batches): the same greedy answers in fp32; and a resumed sampling run draws what a whole one does."""
-    from treeflash.target import Target
+    from treeflash.runtime import Target
     from treeflash.train.data import answer_continuously, answer_in_batches, regenerate
 
     target = Target.load(tiny_folder, dtype="float32")
-    assert target.fast is not None  # else regenerate would take the reference path
+    assert target.static is not None  # else regenerate would take the reference path
     prompts = [(f"gsm8k/{i}", target.encode_prompt("What is 1 + 2?" * (1 + i % 4))) for i in range(7)]
     fast = {r["id"]: r for rows in answer_continuously(target, prompts, 12, 3, 0, 0.0) for r in rows}
     slow = {r["id"]: r for rows in answer_in_batches(target, prompts, 12, 3, 0, 0.0) for r in rows}

@@ -1,7 +1,7 @@
 """treeflash: lossless tree speculative decoding with one-shot block drafters."""
 
 from .engine import GenerationResult, generate
-from .target import DEFAULT_TARGET, Target
+from .runtime import DEFAULT_TARGET, Target
 from .tree import DraftTree
 from .verify import Sampling
 

@@ -31,8 +31,8 @@ from .drafters.base import Drafter
 from .drafters.block import BlockDrafter, observe_all
 from .engine import AUTO, GenerationResult, Sequence, check_budget, default_max_budget, run_round
 from .speculation import BatchCosts, Policy, VerifyCosts
-from .target import Target, TargetError, TargetOutput
-from .transfer import upload
+from .runtime import Target, TargetError, TargetOutput
+from .runtime.transfer import upload
 from .tree import DraftTree
 from .verify import Sampling
 
@@ -41,13 +41,13 @@ class BatchTarget:
     """Several sequences over one target (which must have the static runtime), in slots 0..B-1 of their own cache."""
 
     def __init__(self, target: Target, max_batch: int, capacity: int = 1024):
-        if target.fast is None:
+        if target.static is None:
             raise TargetError(f"batched decoding needs the static runtime (llama, qwen2, qwen3); {target.name} "
                               f"runs on {target.runtime}: decode its sequences one at a time")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.target, self.max_batch, self.device = target, max_batch, target.device
-        self.cache = target.fast.new_cache(max_batch, capacity)
+        self.cache = target.static.new_cache(max_batch, capacity)
         self.lengths: list[int] = []  # committed positions of each sequence
         self.taps: tuple[int, ...] = ()
 
@@ -64,7 +64,7 @@ class BatchTarget:
             raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.target.context_length}")
         self.taps = tuple(taps)
         device = self.target.device
-        logits, hidden = self.target.fast.forward_batch(
+        logits, hidden = self.target.static.forward_batch(
             self.cache, len(self), torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None],
             [0], None, self.taps, slice(-1, None))
         self.lengths.append(len(ids))
@@ -96,7 +96,7 @@ class BatchTarget:
             ids[b, :len(tree)] = torch.tensor(tree.tokens)
             positions[b, :len(tree)] = tree.positions(self.lengths[b])
             allowed[b, :len(tree), :len(tree)] = tree.ancestor_mask()
-        logits, hidden = self.target.fast.forward_batch(self.cache, 0, upload(ids, device), upload(positions, device),
+        logits, hidden = self.target.static.forward_batch(self.cache, 0, upload(ids, device), upload(positions, device),
                                                         self.lengths, upload(allowed, device), self.taps)
         return [TargetOutput(logits[b, :len(t)].float(), None if hidden is None else hidden[b, :len(t)])
                 for b, t in enumerate(trees)]

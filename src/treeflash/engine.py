@@ -14,8 +14,8 @@ import torch
 from .clock import host as _host, now as _now
 from .drafters.base import Drafter
 from .speculation import Policy, policy_for
-from .target import Target, TargetOutput
-from .transfer import upload
+from .runtime import Target, TargetOutput
+from .runtime.transfer import upload
 from .tree import DraftTree
 from .verify import Sampling, accept, expected_accepted
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # user-caused errors: one line, no traceback
         from ..eval.datasets import DatasetError
         from ..models.checkpoint import DrafterError
-        from ..target import TargetError
+        from ..runtime import TargetError
 
         if not isinstance(err, (UsageError, DatasetError, DrafterError, TargetError, OSError)):
             raise

@@ -79,7 +79,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     """Decoding options; with `sweep` (bench, paired), --budget and --tfm-width take comma-separated lists, with
     `weavers` (paired) --weaver too; `serve` has --default-temperature for --temperature (requests name their own)."""
     from ..engine import DEFAULT_MAX_BUDGET, GPU_MAX_BUDGET
-    from ..target import DEFAULT_TARGET
+    from ..runtime import DEFAULT_TARGET
 
     ints, several = (_positive_ints, "; a list such as 16,64 runs each") if sweep else (_positive_int, "")
     if paired:
@@ -142,7 +142,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
 
 def build_parser() -> Parser:
     from ..drafters import METHODS
-    from ..target import DEFAULT_TARGET
+    from ..runtime import DEFAULT_TARGET
     from ..train.store import DEFAULT_STORE
 
     parser = Parser(prog="treeflash", description="Lossless tree speculative decoding with one-shot block drafters.")

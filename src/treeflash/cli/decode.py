@@ -21,7 +21,7 @@ def _sampling(args):
 
 def _load_target(args):
     from ..engine import default_max_budget
-    from ..target import Target
+    from ..runtime import Target
 
     target = Target.load(args.target, dtype=args.dtype, device=args.device, runtime=getattr(args, "runtime", "auto"),
                          quantize=getattr(args, "quantize", "auto"), compile=getattr(args, "compile", "off"))

@@ -13,7 +13,7 @@ def cmd_export(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from ..target import default_device, native_bf16
+    from ..runtime import default_device, native_bf16
     from ..train import dflash, dflash2, weaver
 
     trainer = {"weaver": weaver, "dflash2": dflash2}.get(args.train_command, dflash)

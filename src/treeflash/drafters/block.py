@@ -13,7 +13,7 @@ from ..clock import now
 from ..models.checkpoint import DrafterError
 from ..models.dflash import ContextCache
 from ..models.dflash2 import DFlash2Drafter
-from ..target import native_bf16
+from ..runtime import native_bf16
 from ..tree import DraftTree
 from ..verify import Sampling
 from .builders import BestFirst, Chain, SelectorChain, SelectorTree, TreeFlash, Weave

@@ -11,7 +11,7 @@ from ..models.dflash import DFlashDrafter
 
 from ..models.dflash_io import draft_vocab
 from ..models.dflash2 import DFlash2Drafter, is_dflash2
-from ..models.packed import pack_linears
+from ..runtime.packed import pack_linears
 from ..models.weaver import Weaver
 from .block import BlockDrafter, block_drafter, drafting_dtype
 

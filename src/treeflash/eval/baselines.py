@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..clock import now
-from ..target import EMBEDDED, Target, gguf_file as target_gguf, resolve
+from ..runtime import EMBEDDED, Target, gguf_file as target_gguf, resolve
 from ..verify import Sampling
 
 BASELINES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld")

@@ -15,7 +15,7 @@ from ..batching import BatchEngine
 from ..clock import now
 from ..drafters import make_drafter
 from ..engine import AUTO, DEFAULT_MAX_BUDGET, generate
-from ..target import Target
+from ..runtime import Target
 from ..verify import Sampling
 from .baselines import BASELINES
 from .bench import EAGER

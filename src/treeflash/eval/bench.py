@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..drafters import make_drafter
 from ..engine import AUTO, DEFAULT_MAX_BUDGET, Round, generate
-from ..target import Target
+from ..runtime import Target
 from ..verify import Sampling
 from .baselines import BASELINES, BaselineUnavailable, make_baseline
 

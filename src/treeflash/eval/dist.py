@@ -22,7 +22,7 @@ from ..drafters import make_drafter
 from ..engine import generate
 from ..models.dflash import DFlashDrafter
 from ..models.weaver import Weaver
-from ..target import Target
+from ..runtime import Target
 from ..verify import Sampling
 from ..train.dflash import Sequence, drafted_positions, target_view
 from ..train.weaver import weaver_logits

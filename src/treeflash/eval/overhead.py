@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from ..clock import now
 from ..drafters import make_drafter
 from ..engine import generate
-from ..target import Target
+from ..runtime import Target
 from ..tree import DraftTree
 from ..verify import Sampling, accept
 

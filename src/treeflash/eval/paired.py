@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from ..drafters import make_drafter
 from ..engine import OneLane, OneSequence, Sequence, run_round
-from ..target import Target
+from ..runtime import Target
 from ..verify import Sampling, expected_accepted
 from .bench import variants
 

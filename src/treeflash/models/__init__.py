@@ -1,1 +1,2 @@
-"""nn.Modules: the DFlash block drafter (and, later, the AR approximation layer and the Weaver adapter)."""
+"""nn.Modules of the drafters: the DFlash block drafter, DFlash2, TreeFlash's AR approximation layer, the Weaver;
+their checkpoints and exports. (The target's own forwards live in `runtime/`.)"""

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..transfer import upload
-from . import dflash_io, packed
+from ..runtime.transfer import upload
+from ..runtime import packed
+from . import dflash_io
 from .ar_layer import ARApproximation
 from .blocks import BlocksOverContext, Layer, RMSNorm
 from .checkpoint import DrafterError

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from .. import __version__
-from ..target import hub_id
+from ..runtime import hub_id
 from .checkpoint import DrafterError
 from .dflash import DFlashDrafter
 from .dflash2 import DFlash2Drafter, is_dflash2

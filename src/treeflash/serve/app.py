@@ -125,6 +125,8 @@ def create_app(target, worker: Worker, settings: Settings, clock: Callable[[], f
 
     async def answer(req: _Request, prompt: list[int], param: str, request: Request):
         context = target.context_length
+        if not prompt:  # text the tokenizer drops entirely (control characters)
+            raise APIError(400, f"the {param} is empty once tokenised", param=param)
         if len(prompt) + 1 > context:  # no truncation: the client decides what to drop
             raise APIError(400, f"the prompt has {len(prompt)} tokens; the model's context holds {context}, "
                            "prompt and at least one new token", param=param, code="context_length_exceeded")

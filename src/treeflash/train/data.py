@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..eval.datasets import SHAREGPT, DatasetError, is_chat_dev, read_jsonl
-from ..target import Target
+from ..runtime import Target
 from ..verify import Sampling
 from .store import AnswerStore
 
@@ -103,7 +103,7 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStor
                      [r["response_ids"] for r in pending], meta)
         pending.clear()
 
-    answer = answer_continuously if target.fast is not None else answer_in_batches
+    answer = answer_continuously if target.static is not None else answer_in_batches
     for rows in answer(target, encoded, max_new_tokens, batch_size, seed, temperature):
         pending += rows
         if len(pending) >= shard_size:

@@ -260,7 +260,7 @@ def setup(args):
     """(rank, world size, the frozen target) for a training run; one CPU share per process under torchrun."""
     import os
 
-    from ..target import Target
+    from ..runtime import Target
     from .trainer import init_distributed
 
     rank, world = init_distributed()  # (each process on its own GPU)

@@ -21,7 +21,7 @@ from bisect import bisect_left
 
 import torch
 
-from ..transfer import upload
+from .transfer import upload
 
 TOKEN_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
 

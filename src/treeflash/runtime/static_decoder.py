@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ..transfer import upload
 from .graphed import CaptureError, FixedShapeForward, bucket
 from .int4 import Int4Linear
 from .packed import linear, pack, packed_linear
+from .transfer import upload
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ A weight [N, K] is stored as q in 0..15 with a scale and a zero per row and grou
 
     w[n, k] = (q[n, k] - 8) * scale[n, k // group] + zero[n, k // group]
 
-GGUF's 4-bit formats (Q4_0, Q4_1, Q4_K) are exactly of this form (`models/gguf_int4.py`), and so is each half of
+GGUF's 4-bit formats (Q4_0, Q4_1, Q4_K) are exactly of this form (`runtime/gguf_int4.py`), and so is each half of
 an 8-bit Q8_0 tensor split into its high and low nibbles: an `Int4Linear` sums the products of its parts.
 
 The kernel computes every row of x on its own (its result for a row does not depend on how many rows come with it,

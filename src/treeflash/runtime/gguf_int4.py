@@ -1,6 +1,6 @@
 """A GGUF file's own quantised tensors, kept quantised: its 4-bit and 8-bit blocks in `Int4Linear`'s form.
 
-Formats that map exactly onto (q - 8) * scale + zero with a scale and zero per 32 inputs (`models/int4.py`):
+Formats that map exactly onto (q - 8) * scale + zero with a scale and zero per 32 inputs (`runtime/int4.py`):
 
 | GGUF | block | as int4 |
 |---|---|---|

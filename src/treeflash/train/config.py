@@ -1,0 +1,98 @@
+"""What a training run is asked to do, one typed config per kind: `treeflash train KIND` builds one from its
+options (whose defaults are these), and library users build their own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..runtime.loading import DEFAULT_TARGET
+from .store import DEFAULT_STORE
+
+
+@dataclass
+class TrainRun:
+    """Every kind's: data, target, schedule, checkpoints (the command line's help says what each one does)."""
+
+    kind: ClassVar[str] = ""
+    out: str = ""  # the run folder: checkpoint.pt, log.jsonl and the trained model
+    data: str = DEFAULT_STORE  # answer stores written by `treeflash data regen`, comma-separated
+    data_dir: str | None = None  # where the prompt sets are (../shared/data, or TREEFLASH_DATA)
+    target: str = DEFAULT_TARGET
+    target_dtype: str = "auto"
+    device: str | None = None
+    steps: int = 1000
+    batch_size: int | None = None  # over all processes (None: trainer.batch_size_for)
+    lr: float = 6e-4
+    num_anchors: int = 512
+    threads: int | None = None
+    max_len: int = 512
+    bf16: bool | None = None  # None: where the hardware multiplies bf16 natively
+    save_every: int = 100
+    log_every: int = 10
+    keep_every: int = 0
+    seed: int = 0
+    no_resume: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("a training run needs its folder (out)")
+
+
+@dataclass
+class DFlashRun(TrainRun):
+    kind: ClassVar[str] = "dflash"
+    layers: int = 3
+    taps: int = 5
+    intermediate_size: int | None = None
+    block_size: int = 16
+    mask_token: str | None = None
+    init_layers: str = "random"
+    init: str | None = None  # a trained DFlash drafter to go on training
+    kl_topk: int = 0
+    draft_vocab: int | None = None
+
+
+@dataclass
+class TreeFlashRun(TrainRun):
+    kind: ClassVar[str] = "treeflash"
+    backbone: str = ""  # a DFlash drafter (or a TreeFlash one: its AR layer trained further)
+    freeze_backbone: bool = False
+    ar_kind: str = "swiglu"
+    prev_tokens: int = 1
+    ar_intermediate_size: int | None = None
+    init: str | None = None  # a TreeFlash drafter whose AR layer starts the training
+    kl_topk: int = 0
+    draft_vocab: int | None = None
+
+
+@dataclass
+class WeaverRun(TrainRun):
+    kind: ClassVar[str] = "weaver"
+    backbone: str = ""  # the DFlash drafter, frozen
+    width: int | None = None
+    weaver_layers: int = 1
+    heads: int | None = None
+    top_k: int = 512
+    init: str | None = None  # a trained Weaver to go on training
+
+
+@dataclass
+class DFlash2Run(TrainRun):
+    kind: ClassVar[str] = "dflash2"
+    layers: int = 3
+    taps: int = 5
+    intermediate_size: int | None = None
+    block_size: int = 16
+    mask_token: str | None = None
+    backbone: str | None = None
+    init: str | None = None
+    selector_only: bool = False
+    selector_rank: int = 32
+    selector_top_k: int = 16
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_weight: float = 1.0
+
+
+RUNS = {c.kind: c for c in (DFlashRun, TreeFlashRun, WeaverRun, DFlash2Run)}
