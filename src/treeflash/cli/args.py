@@ -141,8 +141,11 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
 
 
 def build_parser() -> Parser:
+    from dataclasses import fields
+
     from ..drafters import METHODS
     from ..runtime import DEFAULT_TARGET
+    from ..train.config import RUNS
     from ..train.store import DEFAULT_STORE
 
     parser = Parser(prog="treeflash", description="Lossless tree speculative decoding with one-shot block drafters.")
@@ -287,74 +290,76 @@ def build_parser() -> Parser:
     tq = tr.add_parser("dflash2", help="train a DFlash2 drafter (convs + candidate selector), from scratch, from a "
                        "DFlash drafter, or its selector alone on a frozen backbone (torchrun for DDP)")
     for t in (td, tq):  # a fresh drafter's sizes
-        t.add_argument("--layers", type=_positive_int, default=3, help="drafter decoder layers (3)")
-        t.add_argument("--taps", type=_positive_int, default=5, help="target layers tapped for context (5)")
-        t.add_argument("--intermediate-size", type=_positive_int, default=None, help="MLP width (the target's)")
-        t.add_argument("--block-size", type=_positive_int, default=16)
-        t.add_argument("--mask-token", default=None, metavar="ID|TOKEN",
+        t.add_argument("--layers", type=_positive_int, help="drafter decoder layers (3)")
+        t.add_argument("--taps", type=_positive_int, help="target layers tapped for context (5)")
+        t.add_argument("--intermediate-size", type=_positive_int, help="MLP width (the target's)")
+        t.add_argument("--block-size", type=_positive_int)
+        t.add_argument("--mask-token", metavar="ID|TOKEN",
                        help="the token that fills the drafted positions of a block: an id or the token's text (default: "
                        "the tokenizer's mask token, else a spare special token; SmolLM2: <empty_output>, 16)")
-    td.add_argument("--init-layers", default="random", choices=["random", "target"],
+    td.add_argument("--init-layers", choices=["random", "target"],
                     help="a fresh drafter's layers: random (default), or copies of the target's last layers with the "
                     "deepest tap as context")
-    td.add_argument("--init", default=None, help="a trained DFlash drafter folder to go on training, e.g. on new "
+    td.add_argument("--init", help="a trained DFlash drafter folder to go on training, e.g. on new "
                     "data (its sizes are kept: --layers, --taps, --intermediate-size, --block-size do not apply)")
     tt = tr.add_parser("treeflash", help="train TreeFlash's AR layer on a DFlash backbone (torchrun for DDP)")
     tt.add_argument("--backbone", required=True,
                     help="DFlash drafter folder to start from (a TreeFlash drafter: train its AR layer further)")
     tt.add_argument("--freeze-backbone", action="store_true", help="train the AR layer only")
-    tt.add_argument("--ar-kind", default="swiglu", choices=["swiglu", "linear"])
-    tt.add_argument("--prev-tokens", type=int, default=1, choices=[1, 2], help="previous tokens conditioned on")
-    tt.add_argument("--ar-intermediate-size", type=_positive_int, default=None, help="SwiGLU width (the MLP's)")
-    tt.add_argument("--init", default=None, help="a TreeFlash drafter whose AR layer starts the training, e.g. one "
+    tt.add_argument("--ar-kind", choices=["swiglu", "linear"])
+    tt.add_argument("--prev-tokens", type=int, choices=[1, 2], help="previous tokens conditioned on")
+    tt.add_argument("--ar-intermediate-size", type=_positive_int, help="SwiGLU width (the MLP's)")
+    tt.add_argument("--init", help="a TreeFlash drafter whose AR layer starts the training, e.g. one "
                     "of an older backbone (its --ar-* settings are kept)")
     tw = tr.add_parser("weaver", help="train a Weaver adapter on a frozen DFlash backbone (torchrun for DDP)")
     tw.add_argument("--backbone", required=True, help="DFlash drafter folder (frozen)")
-    tw.add_argument("--width", type=_positive_int, default=None, help="Weaver width (the drafter's hidden size)")
-    tw.add_argument("--weaver-layers", type=_positive_int, default=1, help="causal attention layers (1)")
-    tw.add_argument("--heads", type=_positive_int, default=None, help="attention heads (the drafter's)")
-    tw.add_argument("--top-k", type=_positive_int, default=512, help="candidates per depth, K (512)")
-    tw.add_argument("--init", default=None, help="a trained Weaver folder to go on training (its sizes are kept)")
-    tq.add_argument("--backbone", default=None, help="a DFlash drafter folder to start from: its weights, the convs "
+    tw.add_argument("--width", type=_positive_int, help="Weaver width (the drafter's hidden size)")
+    tw.add_argument("--weaver-layers", type=_positive_int, help="causal attention layers (1)")
+    tw.add_argument("--heads", type=_positive_int, help="attention heads (the drafter's)")
+    tw.add_argument("--top-k", type=_positive_int, help="candidates per depth, K (512)")
+    tw.add_argument("--init", help="a trained Weaver folder to go on training (its sizes are kept)")
+    tq.add_argument("--backbone", help="a DFlash drafter folder to start from: its weights, the convs "
                     "the identity, a fresh selector")
-    tq.add_argument("--init", default=None, help="a DFlash2 drafter folder to go on training (its sizes are kept)")
+    tq.add_argument("--init", help="a DFlash2 drafter folder to go on training (its sizes are kept)")
     tq.add_argument("--selector-only", action="store_true", help="train the candidate selector alone, the backbone "
                     "frozen (needs --backbone or --init)")
-    tq.add_argument("--selector-rank", type=_positive_int, default=32,
+    tq.add_argument("--selector-rank", type=_positive_int,
                     help="r of the selector's two [V, r] codebooks (32: 6 MB in bf16 for SmolLM2's vocabulary)")
-    tq.add_argument("--selector-top-k", type=_positive_int, default=16, help="candidates per slot, K (16)")
-    tq.add_argument("--conv-kernel-size", type=_positive_int, default=2, help="Kc, taps of the causal convs (2)")
-    tq.add_argument("--conv-group-size", type=_positive_int, default=16, help="channels per dynamic kernel (16)")
-    tq.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector's loss (1)")
+    tq.add_argument("--selector-top-k", type=_positive_int, help="candidates per slot, K (16)")
+    tq.add_argument("--conv-kernel-size", type=_positive_int, help="Kc, taps of the causal convs (2)")
+    tq.add_argument("--conv-group-size", type=_positive_int, help="channels per dynamic kernel (16)")
+    tq.add_argument("--selector-weight", type=float, help="weight of the selector's loss (1)")
     for t in (td, tt):
-        t.add_argument("--kl-topk", type=int, default=0, help="sparse forward KL over the target's top-k (0: full)")
-        t.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+        t.add_argument("--kl-topk", type=int, help="sparse forward KL over the target's top-k (0: full)")
+        t.add_argument("--draft-vocab", type=int, metavar="N",
                        help="train on the N tokens most frequent in the answers, the FR-Spec rows the drafter scores "
                        "at inference (0: the whole vocabulary; default: a trained drafter's own, else 4096)")
     for t, out in ((td, "runs/dflash"), (tq, "runs/dflash2"), (tt, "runs/treeflash"), (tw, "runs/weaver")):
-        t.add_argument("--data", default=DEFAULT_STORE,
+        t.add_argument("--data",
                        help=f"answer store written by `treeflash data regen` ({DEFAULT_STORE}), or several, commas")
-        t.add_argument("--data-dir", default=None, help="where the prompt sets are, read back by id "
+        t.add_argument("--data-dir", help="where the prompt sets are, read back by id "
                        "(../shared/data, or TREEFLASH_DATA)")
         t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, {'weaver' if t is tw else 'drafter'}/ ({out})")
-        t.add_argument("--target", default=DEFAULT_TARGET)
-        t.add_argument("--target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        t.add_argument("--target")
+        t.add_argument("--target-dtype", choices=["auto", "float32", "bfloat16"],
                        help="the target's weights (auto: bf16 where the hardware multiplies it natively, else fp32)")
-        t.add_argument("--device", default=None)
-        t.add_argument("--steps", type=_positive_int, default=1000)
-        t.add_argument("--batch-size", type=_positive_int, default=None,
+        t.add_argument("--device")
+        t.add_argument("--steps", type=_positive_int)
+        t.add_argument("--batch-size", type=_positive_int,
                        help="sequences per step, over all processes (default 4, rounded up to a multiple of them)")
-        t.add_argument("--lr", type=float, default=6e-4)
-        t.add_argument("--num-anchors", type=_positive_int, default=512,
+        t.add_argument("--lr", type=float)
+        t.add_argument("--num-anchors", type=_positive_int,
                        help="blocks per sequence, at most one per answer position (512: every position, mostly)")
-        t.add_argument("--threads", type=_positive_int, default=None,
+        t.add_argument("--threads", type=_positive_int,
                        help="torch CPU threads (default: torch's; 1 leaves a core to another job)")
-        t.add_argument("--max-len", type=_positive_int, default=512, help="tokens per sequence (512)")
+        t.add_argument("--max-len", type=_positive_int, help="tokens per sequence (512)")
         t.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
                        help="fp32 (default: bf16 autocast where the hardware multiplies bf16 natively, else fp32)")
-        t.add_argument("--save-every", type=_positive_int, default=100)
-        t.add_argument("--log-every", type=_positive_int, default=10)
-        t.add_argument("--keep-every", type=int, default=0, help="keep drafter snapshots every N steps (0: no)")
-        t.add_argument("--seed", type=int, default=0)
+        t.add_argument("--save-every", type=_positive_int)
+        t.add_argument("--log-every", type=_positive_int)
+        t.add_argument("--keep-every", type=int, help="keep drafter snapshots every N steps (0: no)")
+        t.add_argument("--seed", type=int)
         t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
+    for t in (td, tq, tt, tw):  # the defaults are the typed configs' (train/config.py)
+        t.set_defaults(**{f.name: f.default for f in fields(RUNS[t.prog.split()[-1]]) if f.name != "out"})
     return parser

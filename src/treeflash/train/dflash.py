@@ -18,6 +18,7 @@ import torch
 from ..models.checkpoint import DrafterError
 from ..models.dflash import DFlashDrafter
 from ..models.dflash_io import RANKING_FILE
+from .config import DFlashRun, TrainRun, TreeFlashRun
 from .losses import forward_kl, position_weights
 
 DEFAULT_DRAFT_VOCAB = 4096  # FR-Spec rows a fresh drafter is trained on and scores at inference
@@ -107,8 +108,8 @@ def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors
                   "acc": hit.mean(), "acc_k1": hit[depth1].mean(), "tokens": valid.sum()}
 
 
-def run(args) -> dict:
-    """`treeflash train dflash` and `treeflash train treeflash` (see cli/args.py for the arguments).
+def run(job: DFlashRun | TreeFlashRun) -> dict:
+    """`treeflash train dflash` and `treeflash train treeflash` (`job`: its typed config, train/config.py).
 
     A DFlash drafter starts fresh at the sizes given, or from a trained one (--init) with a new optimiser and
     learning-rate schedule: a second stage on more data, or a published drafter fine-tuned on one's own.
@@ -119,58 +120,58 @@ def run(args) -> dict:
     --init, a DFlash backbone gets the AR layer of that TreeFlash drafter (its own settings) as a starting point."""
     from ..models.dflash_config import DFlashConfig
 
-    rank, world, target = setup(args)
-    if args.train_command == "treeflash":
-        drafter = DFlashDrafter.from_pretrained(args.backbone).attach(target.model).to(target.device)
+    rank, world, target = setup(job)
+    if job.kind == "treeflash":
+        drafter = DFlashDrafter.from_pretrained(job.backbone).attach(target.model).to(target.device)
         # a TreeFlash drafter as --backbone goes on training its AR layer; an adapter is saved against its backbone
         saved_against = drafter.backbone_folder
         if drafter.ar_layer is None:
-            if args.init:  # the AR layer of another TreeFlash drafter (e.g. of an older backbone) to start from
-                source = DFlashDrafter.from_pretrained(args.init)
+            if job.init:  # the AR layer of another TreeFlash drafter (e.g. of an older backbone) to start from
+                source = DFlashDrafter.from_pretrained(job.init)
                 if source.ar_layer is None:
-                    raise DrafterError(f"--init {args.init} is not a TreeFlash drafter (it has no AR layer)")
+                    raise DrafterError(f"--init {job.init} is not a TreeFlash drafter (it has no AR layer)")
                 drafter.add_ar_layer(**source.config.ar_layer)
                 drafter.ar_layer.load_state_dict(source.ar_layer.state_dict())
             else:
-                drafter.add_ar_layer(args.ar_kind, args.prev_tokens, args.ar_intermediate_size)
-            saved_against = args.backbone
-        elif args.init:
-            raise DrafterError(f"--backbone {args.backbone} has an AR layer already: --init needs a DFlash backbone")
-        trainable = list((drafter.ar_layer if args.freeze_backbone else drafter).parameters())
-    elif args.init:  # go on training a DFlash drafter (its own sizes: --layers etc. do not apply)
-        drafter = DFlashDrafter.from_pretrained(args.init).attach(target.model).to(target.device)
+                drafter.add_ar_layer(job.ar_kind, job.prev_tokens, job.ar_intermediate_size)
+            saved_against = job.backbone
+        elif job.init:
+            raise DrafterError(f"--backbone {job.backbone} has an AR layer already: --init needs a DFlash backbone")
+        trainable = list((drafter.ar_layer if job.freeze_backbone else drafter).parameters())
+    elif job.init:  # go on training a DFlash drafter (its own sizes: --layers etc. do not apply)
+        drafter = DFlashDrafter.from_pretrained(job.init).attach(target.model).to(target.device)
         if drafter.ar_layer is not None:
-            raise DrafterError(f"{args.init} is a TreeFlash drafter: go on training it with `treeflash train treeflash "
-                               f"--backbone {args.init}`")
+            raise DrafterError(f"{job.init} is a TreeFlash drafter: go on training it with `treeflash train treeflash "
+                               f"--backbone {job.init}`")
         trainable = list(drafter.parameters())
     else:
-        config = DFlashConfig.for_target(target.config, num_layers=args.layers, num_taps=args.taps,
-                                         block_size=args.block_size, intermediate_size=args.intermediate_size,
-                                         mask_token_id=mask_token(args.mask_token, target))
+        config = DFlashConfig.for_target(target.config, num_layers=job.layers, num_taps=job.taps,
+                                         block_size=job.block_size, intermediate_size=job.intermediate_size,
+                                         mask_token_id=mask_token(job.mask_token, target))
         drafter = DFlashDrafter(config).attach(target.model).to(target.device)
-        if args.init_layers == "target":
+        if job.init_layers == "target":
             init_from_target(drafter, target.model)
         trainable = list(drafter.parameters())
     drafter.requires_grad_(False)
     for param in trainable:
         param.requires_grad_(True)
     config = drafter.config
-    rows = training_rows(args, target)
-    ranking = training_vocab(args, drafter, rows)
+    rows = training_rows(job, target)
+    ranking = training_vocab(job, drafter, rows)
     vocab = drafter.draft_vocab
-    data = sequences(rows, args.max_len, config.block_size)
+    data = sequences(rows, job.max_len, config.block_size)
     taps = config.target_layer_ids
-    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=job.bf16)
 
     def loss_fn(model, seq, gen):
         started = time.perf_counter()
         view = target_view(target.model, seq.tokens, taps, vocab)
         drafting = time.perf_counter()
         with autocast:
-            loss, stats = dflash_loss(model, seq, view, sample_anchors(seq, args.num_anchors, gen), args.kl_topk)
+            loss, stats = dflash_loss(model, seq, view, sample_anchors(seq, job.num_anchors, gen), job.kl_topk)
         return loss, {**stats, "s_target": drafting - started, "s_drafter_forward": time.perf_counter() - drafting}
 
-    adapter = args.train_command == "treeflash" and args.freeze_backbone and saved_against is not None
+    adapter = job.kind == "treeflash" and job.freeze_backbone and saved_against is not None
 
     def save(folder: Path) -> None:
         if adapter:  # the AR layer only: its draft vocabulary is its backbone's
@@ -179,7 +180,7 @@ def run(args) -> dict:
         if ranking is not None:
             (Path(folder) / RANKING_FILE).write_text(json.dumps(ranking) + "\n")
 
-    return launch(args, world, rank, drafter, trainable, data, loss_fn, save_model=save)
+    return launch(job, world, rank, drafter, trainable, data, loss_fn, save_model=save)
 
 
 def init_from_target(drafter: DFlashDrafter, target_model) -> list[int]:
@@ -206,7 +207,7 @@ def init_from_target(drafter: DFlashDrafter, target_model) -> list[int]:
     return chosen
 
 
-def training_vocab(args, drafter: DFlashDrafter, rows: list[dict]) -> dict | None:
+def training_vocab(job: DFlashRun | TreeFlashRun, drafter: DFlashDrafter, rows: list[dict]) -> dict | None:
     """Set the draft vocabulary the loss is taken over on the drafter, and return the token ranking to save with it
     (token_ranking.json; None: nothing to write). --draft-vocab N: the N tokens most frequent in the training
     answers (0: the whole vocabulary); unset, a trained drafter (--init, --backbone) keeps the vocabulary it has
@@ -215,27 +216,27 @@ def training_vocab(args, drafter: DFlashDrafter, rows: list[dict]) -> dict | Non
     from ..models.dflash_io import RANKING_FILE, draft_vocab
     from .data import token_ranking
 
-    trained = args.backbone if args.train_command == "treeflash" else args.init
-    if trained is not None and args.draft_vocab is None:
+    trained = job.backbone if job.kind == "treeflash" else job.init
+    if trained is not None and job.draft_vocab is None:
         drafter.use_draft_vocab(draft_vocab(drafter, trained))
         source = Path(trained) / RANKING_FILE
         return json.loads(source.read_text()) if source.is_file() else None
     ranking, stats = token_ranking([r["response_ids"] for r in rows])
-    size = min(DEFAULT_DRAFT_VOCAB, len(ranking)) if args.draft_vocab is None else args.draft_vocab
+    size = min(DEFAULT_DRAFT_VOCAB, len(ranking)) if job.draft_vocab is None else job.draft_vocab
     if len(ranking) < size < drafter.config.vocab_size:
         raise DrafterError(f"--draft-vocab {size}: the training answers hold only {len(ranking)} distinct tokens")
     whole = not 0 < size < drafter.config.vocab_size
     drafter.config.draft_vocab_size = None if whole else size
     drafter.use_draft_vocab(None if whole else torch.tensor(ranking[:size]))
-    return {"data": args.data, **stats, "ranking": ranking}
+    return {"data": job.data, **stats, "ranking": ranking}
 
 
-def training_rows(args, target) -> list[dict]:
+def training_rows(job: TrainRun, target) -> list[dict]:
     """The rows of --data (answer stores), their prompts read back from --data-dir and encoded by the target."""
     from ..eval.datasets import default_data_dir
     from .store import load_answers
 
-    return load_answers(args.data, target.encode_prompt, Path(args.data_dir) if args.data_dir else default_data_dir())
+    return load_answers(job.data, target.encode_prompt, Path(job.data_dir) if job.data_dir else default_data_dir())
 
 
 def mask_token(choice: str | None, target) -> int:
@@ -256,7 +257,7 @@ def mask_token(choice: str | None, target) -> int:
     return token
 
 
-def setup(args):
+def setup(job: TrainRun):
     """(rank, world size, the frozen target) for a training run; one CPU share per process under torchrun."""
     import os
 
@@ -264,31 +265,31 @@ def setup(args):
     from .trainer import init_distributed
 
     rank, world = init_distributed()  # (each process on its own GPU)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not torch.cuda.is_available() and world > 1 and not args.threads:
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    if not torch.cuda.is_available() and world > 1 and not job.threads:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     # the dense weights: training was measured on them (a GGUF target's int4 kernels have no gradients either)
-    target = Target.load(args.target, dtype=args.target_dtype, device=args.device, quantize="none")
+    target = Target.load(job.target, dtype=job.target_dtype, device=job.device, quantize="none")
     target.model.requires_grad_(False)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(job.seed)
     return rank, world, target
 
 
-def launch(args, world: int, rank: int, model: torch.nn.Module, trainable: list, data: list, loss_fn,
+def launch(job: TrainRun, world: int, rank: int, model: torch.nn.Module, trainable: list, data: list, loss_fn,
            model_dir: str = "drafter", save_model=None) -> dict:
     """Write train_args.json and run the shared training loop; the model is saved to `out/model_dir` by
     `save_model(folder)` (default: its save_pretrained)."""
     from .trainer import TrainConfig, batch_size_for, train
 
-    cfg = TrainConfig(out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                      save_every=args.save_every, log_every=args.log_every, keep_every=args.keep_every,
-                      seed=args.seed, model_dir=model_dir)
+    cfg = TrainConfig(out=job.out, steps=job.steps, batch_size=job.batch_size, lr=job.lr,
+                      save_every=job.save_every, log_every=job.log_every, keep_every=job.keep_every,
+                      seed=job.seed, model_dir=model_dir)
     if rank == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "train_args.json").write_text(json.dumps(
-            {**vars(args), "batch_size": batch_size_for(args.batch_size, world), "world_size": world,
+        Path(job.out).mkdir(parents=True, exist_ok=True)
+        (Path(job.out) / "train_args.json").write_text(json.dumps(
+            {"kind": job.kind, **vars(job), "batch_size": batch_size_for(job.batch_size, world), "world_size": world,
              "num_sequences": len(data),
              "trained_parameters": sum(p.numel() for p in trainable),
              "drafter_parameters": sum(p.numel() for p in model.parameters())}, indent=2, default=str))
-    return train(model, trainable, data, loss_fn, cfg, save_model or model.save_pretrained, resume=not args.no_resume)
+    return train(model, trainable, data, loss_fn, cfg, save_model or model.save_pretrained, resume=not job.no_resume)

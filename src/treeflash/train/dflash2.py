@@ -31,6 +31,7 @@ import torch
 from ..models.checkpoint import DrafterError
 from ..models.dflash import DFlashDrafter
 from ..models.dflash2 import DFlash2Drafter, is_dflash2
+from .config import DFlash2Run
 from .dflash import Sequence, TargetView, drafted_positions
 from .losses import forward_kl, position_weights
 
@@ -75,56 +76,56 @@ def dflash2_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchor
                   "tokens": valid.sum()}
 
 
-def build(args, target) -> DFlash2Drafter:
+def build(job: DFlash2Run, target) -> DFlash2Drafter:
     """The drafter a run starts from: --init (a DFlash2 folder), --backbone (a DFlash folder: its weights, the convs
     the identity, a fresh selector), else fresh at the sizes given."""
     from ..models.dflash_config import DFlashConfig
     from .dflash import mask_token
 
-    own = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
-               selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
-    if args.init and args.backbone:
+    own = dict(conv_kernel_size=job.conv_kernel_size, conv_group_size=job.conv_group_size,
+               selector_rank=job.selector_rank, selector_top_k=job.selector_top_k)
+    if job.init and job.backbone:
         raise DrafterError("--init (a DFlash2 drafter to go on training) and --backbone (a DFlash one to start from) "
                            "exclude each other")
-    if args.init:
-        if not is_dflash2(args.init):
-            raise DrafterError(f"--init {args.init} is not a DFlash2 drafter; start from a DFlash one with --backbone")
-        return DFlash2Drafter.from_pretrained(args.init)
-    if args.backbone:
-        if is_dflash2(args.backbone):
-            raise DrafterError(f"--backbone {args.backbone} is a DFlash2 drafter: go on training it with --init")
-        return DFlash2Drafter.from_dflash(DFlashDrafter.from_pretrained(args.backbone), **own)
-    if args.selector_only:
+    if job.init:
+        if not is_dflash2(job.init):
+            raise DrafterError(f"--init {job.init} is not a DFlash2 drafter; start from a DFlash one with --backbone")
+        return DFlash2Drafter.from_pretrained(job.init)
+    if job.backbone:
+        if is_dflash2(job.backbone):
+            raise DrafterError(f"--backbone {job.backbone} is a DFlash2 drafter: go on training it with --init")
+        return DFlash2Drafter.from_dflash(DFlashDrafter.from_pretrained(job.backbone), **own)
+    if job.selector_only:
         raise DrafterError("--selector-only trains the selector on a trained backbone: name it with --backbone or --init")
-    config = DFlashConfig.for_target(target.config, num_layers=args.layers, num_taps=args.taps,
-                                     block_size=args.block_size, intermediate_size=args.intermediate_size,
-                                     mask_token_id=mask_token(args.mask_token, target))
+    config = DFlashConfig.for_target(target.config, num_layers=job.layers, num_taps=job.taps,
+                                     block_size=job.block_size, intermediate_size=job.intermediate_size,
+                                     mask_token_id=mask_token(job.mask_token, target))
     from ..models.dflash2 import DFlash2Config
 
     return DFlash2Drafter(DFlash2Config(config, **own))
 
 
-def run(args) -> dict:
-    """`treeflash train dflash2` (see cli/args.py for the arguments)."""
+def run(job: DFlash2Run) -> dict:
+    """`treeflash train dflash2` (`job`: its typed config, train/config.py)."""
     from .dflash import launch, sample_anchors, sequences, setup, target_view, training_rows
 
-    rank, world, target = setup(args)
-    drafter = build(args, target).attach(target.model).to(target.device)
-    trainable = list((drafter.candidate_selector if args.selector_only else drafter).parameters())
+    rank, world, target = setup(job)
+    drafter = build(job, target).attach(target.model).to(target.device)
+    trainable = list((drafter.candidate_selector if job.selector_only else drafter).parameters())
     drafter.requires_grad_(False)
     for param in trainable:
         param.requires_grad_(True)
-    data = sequences(training_rows(args, target), args.max_len, drafter.config.block_size)
+    data = sequences(training_rows(job, target), job.max_len, drafter.config.block_size)
     taps = drafter.config.target_layer_ids
-    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=job.bf16)
 
     def loss_fn(model, seq, gen):
         started = time.perf_counter()
         view = target_view(target.model, seq.tokens, taps)  # the whole vocabulary: DFlash2 scores every token
         drafting = time.perf_counter()
         with autocast:
-            loss, stats = dflash2_loss(model, seq, view, sample_anchors(seq, args.num_anchors, gen),
-                                       args.selector_weight, backbone=not args.selector_only)
+            loss, stats = dflash2_loss(model, seq, view, sample_anchors(seq, job.num_anchors, gen),
+                                       job.selector_weight, backbone=not job.selector_only)
         return loss, {**stats, "s_target": drafting - started, "s_drafter_forward": time.perf_counter() - drafting}
 
-    return launch(args, world, rank, drafter, trainable, data, loss_fn)
+    return launch(job, world, rank, drafter, trainable, data, loss_fn)

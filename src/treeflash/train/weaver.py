@@ -20,6 +20,7 @@ import torch
 
 from ..models.dflash import DFlashDrafter
 from ..models.weaver import Weaver
+from .config import WeaverRun
 from .dflash import Sequence, TargetView, drafted_positions
 from .losses import candidate_kl, position_weights
 
@@ -66,28 +67,28 @@ def weaver_loss(model: torch.nn.Module, drafter: DFlashDrafter, seq: Sequence, v
                   "tokens": int(valid.sum())}
 
 
-def run(args) -> dict:
-    """`treeflash train weaver` (see cli/args.py for the arguments)."""
+def run(job: WeaverRun) -> dict:
+    """`treeflash train weaver` (`job`: its typed config, train/config.py)."""
     from ..models.checkpoint import weights_digest
     from ..models.weaver import WeaverConfig
     from .dflash import launch, sample_anchors, sequences, setup, target_view, training_rows
 
-    rank, world, target = setup(args)
-    drafter = DFlashDrafter.from_pretrained(args.backbone).attach(target.model).to(target.device).eval()
+    rank, world, target = setup(job)
+    drafter = DFlashDrafter.from_pretrained(job.backbone).attach(target.model).to(target.device).eval()
     drafter.requires_grad_(False)
-    if args.init:  # go on training a Weaver (its own sizes, not --width etc.), possibly moved to a new backbone
-        weaver = Weaver.from_pretrained(args.init).attach(drafter).to(target.device).train()
+    if job.init:  # go on training a Weaver (its own sizes, not --width etc.), possibly moved to a new backbone
+        weaver = Weaver.from_pretrained(job.init).attach(drafter).to(target.device).train()
     else:
-        config = WeaverConfig.for_drafter(drafter.config, args.width, args.weaver_layers, args.heads, args.top_k)
+        config = WeaverConfig.for_drafter(drafter.config, job.width, job.weaver_layers, job.heads, job.top_k)
         weaver = Weaver(config).attach(drafter).to(target.device)
-    weaver.config.backbone_sha256 = weights_digest(args.backbone)  # saved with it, checked where it is loaded
-    data = sequences(training_rows(args, target), args.max_len, drafter.config.block_size)
+    weaver.config.backbone_sha256 = weights_digest(job.backbone)  # saved with it, checked where it is loaded
+    data = sequences(training_rows(job, target), job.max_len, drafter.config.block_size)
     taps = drafter.config.target_layer_ids
-    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=job.bf16)
 
     def loss_fn(model, seq, gen):
         view = target_view(target.model, seq.tokens, taps)
         with autocast:
-            return weaver_loss(model, drafter, seq, view, sample_anchors(seq, args.num_anchors, gen))
+            return weaver_loss(model, drafter, seq, view, sample_anchors(seq, job.num_anchors, gen))
 
-    return launch(args, world, rank, weaver, list(weaver.parameters()), data, loss_fn, model_dir="weaver")
+    return launch(job, world, rank, weaver, list(weaver.parameters()), data, loss_fn, model_dir="weaver")
