@@ -51,6 +51,7 @@ class OracleTreeDrafter:
     """
 
     name, taps, drafts = "oracle-tree", (), True
+    forward_s, adapter_calls = 0.0, 0
 
     def __init__(self, reference: list[int], prompt_len: int, vocab: int, seed: int = 0):
         self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab

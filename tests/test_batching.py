@@ -33,6 +33,7 @@ class Oracles:
     sequence's own AR continuation, behind a decoy, so accepted paths fork away from node order."""
 
     name, taps, drafts = "oracles", (), True
+    forward_s, adapter_calls = 0.0, 0
 
     def __init__(self, references: dict[tuple, list[int]], vocab: int, seed: int = 0):
         self.references, self.vocab, self.rng = references, vocab, random.Random(seed)

@@ -16,6 +16,7 @@ class FixedTreeDrafter:
     """Always the same deterministic tree: 4 children under the root, 3 under each of them."""
 
     name, taps, drafts = "fixed-tree", (), True
+    forward_s, adapter_calls = 0.0, 0
 
     def reset(self):
         pass

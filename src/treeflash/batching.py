@@ -20,7 +20,6 @@ its tokens, and at T > 0 each is an exact sample, as acceptance runs per sequenc
 from __future__ import annotations
 
 import copy
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -28,9 +27,8 @@ import torch
 
 from .clock import now
 from .drafters.base import Drafter
-from .drafters.block import BlockDrafter, observe_all
 from .engine import AUTO, GenerationResult, Sequence, check_budget, default_max_budget, run_round
-from .speculation import BatchCosts, Policy, VerifyCosts
+from .speculation import BatchCosts, Policy, VerifyCosts, policy_for
 from .runtime import Target, TargetError, TargetOutput
 from .runtime.transfer import upload
 from .tree import DraftTree
@@ -112,7 +110,8 @@ class BatchTarget:
 
 
 class BatchDrafter:
-    """One `drafter` per sequence of the batch; block drafters draft the whole batch in one forward."""
+    """One `drafter` per sequence of the batch (its lanes). A drafter whose class has `propose_batch` (block
+    drafters: one forward for the whole batch) drafts through it; any other, lane by lane."""
 
     def __init__(self, drafter: Drafter):
         self.drafter, self.name, self.taps, self.drafts = drafter, drafter.name, drafter.taps, drafter.drafts
@@ -129,24 +128,17 @@ class BatchDrafter:
 
     @torch.no_grad()
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]:
-        if not isinstance(self.drafter, BlockDrafter):
+        batched = getattr(self.drafter, "propose_batch", None)
+        if batched is None:
             trees = [lane.propose(s.tokens, s.features, b) for lane, s, b in zip(self.lanes, seqs, budgets)]
         else:
-            self._observe(seqs)
-            model = self.drafter.model
-            h = model.draft_states_batch([s.tokens[-1] for s in seqs], [lane.context for lane in self.lanes])
-            trees = [lane.tree(s.tokens, h[b], budgets[b]) for b, (lane, s) in enumerate(zip(self.lanes, seqs))]
+            trees = batched(self.lanes, [s.tokens for s in seqs], [s.features for s in seqs], budgets)
         for s in seqs:
             s.features = None
         return trees
 
-    def _observe(self, seqs: list[Sequence]) -> None:
-        """Append every sequence's newly committed positions to its lane's context: one projection for all."""
-        new = [(lane, s.features) for lane, s in zip(self.lanes, seqs) if s.features is not None and len(s.features)]
-        if new:
-            observe_all(*zip(*new))
-        for lane, s in zip(self.lanes, seqs):
-            assert lane.ctx_len == len(s.tokens) - 1, "the drafter's context must cover every committed position"
+    def counters(self) -> tuple[float, int]:
+        return sum(lane.forward_s for lane in self.lanes), sum(lane.adapter_calls for lane in self.lanes)
 
 
 @dataclass
@@ -264,10 +256,6 @@ class BatchEngine:
         return results  # type: ignore[return-value]
 
 
-_batch_costs: "weakref.WeakKeyDictionary[object, dict[int, BatchCosts]]" = weakref.WeakKeyDictionary()
-_batch_policies: "weakref.WeakKeyDictionary[object, dict[tuple, Policy]]" = weakref.WeakKeyDictionary()
-
-
 def batch_costs(target: Target, max_batch: int, max_tokens: int, context: int = 128) -> BatchCosts:
     """Verification costs of the target by batch size (powers of two up to `max_batch`, and it), each timed on
     dummy sequences in a cache of their own (the batch in flight is not touched)."""
@@ -288,11 +276,4 @@ def batch_costs(target: Target, max_batch: int, max_tokens: int, context: int = 
 
 def batch_policy_for(target: Target, drafter: Drafter, max_batch: int, max_budget: int) -> Policy:
     """The batch policy of this drafter on this target (costs measured once per target and batch limit)."""
-    per_target = _batch_costs.setdefault(target, {})
-    if max_batch not in per_target:
-        per_target[max_batch] = batch_costs(target, max_batch, max_budget + 1)
-    policies = _batch_policies.setdefault(drafter, {})
-    key = (id(target), max_batch, max_budget)
-    if key not in policies:
-        policies[key] = Policy(per_target[max_batch], max_budget)
-    return policies[key]
+    return policy_for(target, drafter, max_budget, max_batch, lambda: batch_costs(target, max_batch, max_budget + 1))

@@ -39,6 +39,8 @@ class Round:
     verify_s: float  # verification, acceptance, commit and the round's bookkeeping
     expected: float  # E[accepted | tree] (verify.expected_accepted): equal to `accepted` at T = 0
     drafted: bool  # False: a plain AR step (method `ar`, or cost-aware speculation skipped the drafter)
+    forward_s: float = 0.0  # of draft_s, the drafter's forward (block drafters; the rest is the tree build)
+    adapter_calls: int = 0  # sequential AR-layer / Weaver calls in the tree build
 
 
 @dataclass
@@ -125,11 +127,13 @@ class Verifier(Protocol):
 
 class Lanes(Protocol):
     """What a round needs from the drafter: B trees, one per sequence, each from the committed positions it has
-    not seen yet (`Sequence.features`, cleared once read). `BatchDrafter` drafts a batch, `OneLane` one sequence."""
+    not seen yet (`Sequence.features`, cleared once read). `BatchDrafter` drafts a batch, `OneLane` one sequence.
+    `counters`: the drafters' cumulative (forward seconds, adapter calls), as `Drafter` keeps them."""
 
     drafts: bool
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]: ...
+    def counters(self) -> tuple[float, int]: ...
 
 
 class OneSequence:
@@ -161,6 +165,9 @@ class OneLane:
         seq.features = None
         return [tree]
 
+    def counters(self) -> tuple[float, int]:
+        return self.drafter.forward_s, self.drafter.adapter_calls
+
 
 @dataclass
 class Outcome:
@@ -173,11 +180,13 @@ class Outcome:
     draft_s: float
     verify_s: float  # verification, acceptance, commit and the round's bookkeeping
     drafted: bool
+    forward_s: float = 0.0  # of draft_s, the drafters' forward
+    adapter_calls: int = 0
 
     def record(self, b: int, kept: list[int]) -> Round:
         """Sequence b's Round, counting only the tokens it kept (τ counts committed tokens)."""
         return Round(len(kept), self.trees[b].size, self.draft_s, self.verify_s, min(self.expected[b], len(kept)),
-                     self.drafted)
+                     self.drafted, self.forward_s, self.adapter_calls)
 
 
 def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings: list[Sampling],
@@ -189,6 +198,7 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     # come after the work they time (only the commit's copies may still run, and count in the next round)
     t0 = _host()
     drafted = budget > 0 and lanes.drafts and (policy is None or policy.should_draft())
+    counted = lanes.counters()
     if drafted:
         trees = lanes.propose(seqs, [budget] * len(seqs))
         if policy:
@@ -210,7 +220,8 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     t3 = _host()  # the round's bookkeeping is part of its time (what bench's tokens per second count)
     expected = [len(n) if s.greedy else expected_accepted(t, o.logits, s)  # a measure: not timed
                 for n, t, o, s in zip(new, trees, outs, samplings)]
-    return Outcome(new, trees, expected, t1 - t0, t3 - t1, drafted)
+    forward_s, calls = (now - before for now, before in zip(lanes.counters(), counted))
+    return Outcome(new, trees, expected, t1 - t0, t3 - t1, drafted, forward_s, calls)
 
 
 def check_budget(budget: int | str, max_budget: int = DEFAULT_MAX_BUDGET) -> None:

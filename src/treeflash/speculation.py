@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+from typing import Callable
 
 import torch
 
@@ -229,17 +230,21 @@ def _ema(old: float | None, new: float, rate: float = 0.2) -> float:
     return new if old is None else old + rate * (new - old)
 
 
-_costs: "weakref.WeakKeyDictionary[object, VerifyCosts]" = weakref.WeakKeyDictionary()
-_policies: "weakref.WeakKeyDictionary[object, dict[int, Policy]]" = weakref.WeakKeyDictionary()
+# costs by target, then by batch limit (0: one sequence); policies by drafter, then by target, batch limit and max
+# budget. Weak keys: a target or drafter that is dropped takes its entries along
+_costs: "weakref.WeakKeyDictionary[object, dict[int, VerifyCosts | BatchCosts]]" = weakref.WeakKeyDictionary()
+_policies: "weakref.WeakKeyDictionary[object, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
-def policy_for(target, drafter, max_budget: int) -> Policy:
-    """The policy of this drafter on this target (made on first use; the verification costs are the target's,
-    measured once and shared by all its drafters)."""
-    if target not in _costs:
-        _costs[target] = VerifyCosts.measure(target, max_budget + 1)
-    per_target = _policies.setdefault(drafter, {})
-    key = id(target)
-    if key not in per_target or per_target[key].max_budget != max_budget:
-        per_target[key] = Policy(_costs[target], max_budget)
-    return per_target[key]
+def policy_for(target, drafter, max_budget: int, max_batch: int = 0,
+               measure: Callable[[], VerifyCosts | BatchCosts] | None = None) -> Policy:
+    """The policy of this drafter on this target, for one sequence or (`max_batch`) a batch, made on first use.
+    The verification costs are the target's, measured once per batch limit (by `measure`; default: one
+    sequence's) and shared by all its drafters."""
+    costs = _costs.setdefault(target, {})
+    if max_batch not in costs:
+        costs[max_batch] = measure() if measure else VerifyCosts.measure(target, max_budget + 1)
+    policies = _policies.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
+    if (max_batch, max_budget) not in policies:
+        policies[max_batch, max_budget] = Policy(costs[max_batch], max_budget)
+    return policies[max_batch, max_budget]

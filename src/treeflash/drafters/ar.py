@@ -13,6 +13,7 @@ class AutoregressiveDrafter:
     name = "ar"
     taps: tuple[int, ...] = ()
     drafts = False
+    forward_s, adapter_calls = 0.0, 0
 
     def reset(self) -> None:
         pass

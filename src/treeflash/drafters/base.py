@@ -16,6 +16,10 @@ class Drafter(Protocol):
     taps: tuple[int, ...]
     #: False for plain decoding, which proposes nothing: no drafting round, no policy to weigh trees
     drafts: bool
+    #: cumulative, across sequences (bench's split of a drafting round): seconds in a neural drafter's forward,
+    #: and its sequential adapter calls (TreeFlash's AR layer, the Weaver) in tree builds; 0 for the others
+    forward_s: float
+    adapter_calls: int
 
     def reset(self) -> None:
         """Forget the previous sequence."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..clock import now
+from ..runtime.transfer import upload
 from ..models.checkpoint import DrafterError
 from ..models.dflash import ContextCache
 from ..models.dflash2 import DFlash2Drafter
@@ -68,6 +69,20 @@ class BlockDrafter:
     def propose(self, tokens, features, budget) -> DraftTree:
         return self.tree(tokens, self.draft(tokens, features), budget)
 
+    @staticmethod
+    @torch.no_grad()
+    def propose_batch(lanes: list[BlockDrafter], tokens: list[list[int]], features: list[torch.Tensor | None],
+                      budgets: list[int]) -> list[DraftTree]:
+        """`propose` for several sequences, each with its lane (a copy of one drafter: the same model, its own
+        context): their new positions in one projection, the drafter's forward over all of them at once."""
+        new = [(lane, f) for lane, f in zip(lanes, features) if f is not None and len(f)]
+        if new:
+            observe_all(*zip(*new))
+        for lane, t in zip(lanes, tokens):
+            assert lane.ctx_len == len(t) - 1, "the drafter's context must cover every committed position"
+        h = lanes[0].model.draft_states_batch([t[-1] for t in tokens], [lane.context for lane in lanes])
+        return [lane.tree(t, h[b], budgets[b]) for b, (lane, t) in enumerate(zip(lanes, tokens))]
+
     @torch.no_grad()
     def tree(self, tokens: list[int], h: torch.Tensor, budget: int) -> DraftTree:
         """The round's tree from the drafter's states h [γ - 1, H] of the block after the root tokens[-1]. A tree of
@@ -112,7 +127,7 @@ def observe_all(drafters: list[BlockDrafter], features: list[torch.Tensor]) -> N
     model = drafters[0].model
     fused = model.fuse(torch.cat(features))
     positions = torch.cat([torch.arange(d.ctx_len, d.ctx_len + len(f)) for d, f in zip(drafters, features)])
-    kv = model.context_kv(fused, positions.to(fused.device))
+    kv = model.context_kv(fused, upload(positions, fused.device))
     at = 0
     for d, f in zip(drafters, features):
         m = len(f)

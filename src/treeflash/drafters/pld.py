@@ -20,6 +20,7 @@ class PromptLookupDrafter:
     name = "pld"
     taps: tuple[int, ...] = ()
     drafts = True
+    forward_s, adapter_calls = 0.0, 0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 8, max_matches: int = 8):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -144,11 +144,10 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
     bar = tqdm(total=len(encoded) * len(runs), desc="bench", unit="run", disable=not progress, leave=False)
     for i, prompt in enumerate(encoded):
         for v in runs:  # interleaved, so that machine noise hits every variant alike
-            drafter, t = drafters[v], totals[v]
-            forward_s, calls = getattr(drafter, "forward_s", 0.0), getattr(drafter, "adapter_calls", 0)
+            t = totals[v]
             tokens, seconds, forwards, rounds = decode(v, prompt, max_new_tokens, seed + i)
-            t.forward_s += getattr(drafter, "forward_s", 0.0) - forward_s
-            t.adapter_calls += getattr(drafter, "adapter_calls", 0) - calls
+            t.forward_s += sum(x.forward_s for x in rounds)
+            t.adapter_calls += sum(x.adapter_calls for x in rounds)
             t.new_tokens += len(tokens)
             t.seconds += seconds
             t.outputs.append(tokens)
