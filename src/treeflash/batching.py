@@ -28,9 +28,9 @@ import torch
 from .clock import now
 from .drafters.base import Drafter
 from .engine import AUTO, GenerationResult, Sequence, check_budget, default_max_budget, run_round
-from .speculation import BatchCosts, Policy, VerifyCosts, policy_for
 from .runtime import Target, TargetError, TargetOutput
 from .runtime.transfer import upload
+from .speculation import BatchCosts, Policy, VerifyCosts, policy_for
 from .tree import DraftTree
 from .verify import Sampling
 

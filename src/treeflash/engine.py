@@ -13,9 +13,9 @@ import torch
 
 from .clock import host as _host, now as _now
 from .drafters.base import Drafter
-from .speculation import Policy, policy_for
 from .runtime import Target, TargetOutput
 from .runtime.transfer import upload
+from .speculation import Policy, policy_for
 from .tree import DraftTree
 from .verify import Sampling, accept, expected_accepted
 
@@ -220,7 +220,7 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     t3 = _host()  # the round's bookkeeping is part of its time (what bench's tokens per second count)
     expected = [len(n) if s.greedy else expected_accepted(t, o.logits, s)  # a measure: not timed
                 for n, t, o, s in zip(new, trees, outs, samplings)]
-    forward_s, calls = (now - before for now, before in zip(lanes.counters(), counted))
+    forward_s, calls = (after - before for after, before in zip(lanes.counters(), counted))
     return Outcome(new, trees, expected, t1 - t0, t3 - t1, drafted, forward_s, calls)
 
 
@@ -246,8 +246,8 @@ def generate(
     """Generate up to `max_new_tokens` after `prompt`, stopping after an EOS token. Lossless for every drafter.
 
     `budget`: draft nodes per tree, or "auto": each round the tree prefix (up to `max_budget` nodes) that
-    maximises expected tokens per second, or a plain AR step when no tree pays (speculation.Policy); None:
-    the device's default (`default_max_budget`)
+    maximises expected tokens per second, or a plain AR step when no tree pays (speculation.Policy);
+    `max_budget` None: the device's default (`default_max_budget`).
     `should_stop`, asked before every round, ends the generation early when it returns True (a server's client
     that left, a stop string seen, a deadline passed)."""
     max_budget = max_budget or default_max_budget(target.device)

@@ -120,7 +120,7 @@ def _dequantised_copy(gguf: Path) -> Path:
     return folder
 
 
-def _inductor_cache() -> None:
+def set_inductor_cache() -> None:
     """Compiled layers are cached beside the dequantised targets (kept across reboots, unlike inductor's default
     under /tmp), unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))

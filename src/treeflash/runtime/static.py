@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from ..models.checkpoint import error_line
-from .loading import _inductor_cache
+from .loading import set_inductor_cache
 from .output import TargetOutput
 from .static_decoder import StaticDecoder
 from .transfer import upload
@@ -62,7 +62,7 @@ class StaticRuntime:
             if mode == "on":
                 raise ValueError(why)
             return
-        _inductor_cache()
+        set_inductor_cache()
         try:
             self.decoder.compile()
         except ValueError:  # layers without a compiled form (dense products, q/k norms, ...)

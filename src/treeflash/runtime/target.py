@@ -21,8 +21,8 @@ from ..tree import DraftTree
 from . import int4
 from .gguf_int4 import GGUFWeights, install as install_gguf
 from .hf import HFRuntime
-from .loading import (COMPILE, DEFAULT_TARGET, QUANTIZE, RUNTIMES, TargetError, _inductor_cache, default_device,
-                      gguf_file, resolve, resolve_dtype)
+from .loading import (COMPILE, DEFAULT_TARGET, QUANTIZE, RUNTIMES, TargetError, default_device, gguf_file, resolve,
+                      resolve_dtype, set_inductor_cache)
 from .output import TargetOutput
 from .static import StaticRuntime
 from .static_decoder import StaticDecoder, unsupported_reason
@@ -94,7 +94,7 @@ class Target:
         if quantize not in QUANTIZE:
             raise TargetError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE)}")
         if compile != "off":
-            _inductor_cache()  # before loading: inductor fixes its folder the first time anything asks for it
+            set_inductor_cache()  # before loading: inductor fixes its folder the first time anything asks for it
         device = default_device(device)
         torch_dtype = resolve_dtype(dtype, device)
         gguf = gguf_file(name_or_path)
@@ -120,8 +120,8 @@ class Target:
             weights = install_gguf(model, gguf, kernel)
             log.info("%s: %s", gguf.name, weights)
         elif quantize == "int4":
-            weights = f"int4, rounded to nearest in groups of {int4.GROUP}: {int4.quantise_model(model, torch_dtype)} " \
-                      "linears (LM head dense)"
+            count = int4.quantise_model(model, torch_dtype)
+            weights = f"int4, rounded to nearest in groups of {int4.GROUP}: {count} linears (LM head dense)"
         return cls(model, tokenizer, name=name_or_path, runtime=runtime, weights=weights, compile=compile)
 
     def eager(self):
