@@ -91,6 +91,25 @@ def test_batched_verify_equals_each_sequence_alone(kind):
         assert bt.lengths == [len(h) for h in histories]
 
 
+def test_a_long_prompt_joins_in_pieces_and_keeps_the_others(monkeypatch):
+    """A prompt that outgrows the batch's cache joins in prefill pieces: the cache grows keeping every other
+    sequence's K/V, and the newcomer's taps and logits equal a one-piece prefill alone."""
+    monkeypatch.setattr("treeflash.batching.PREFILL_CHUNK", 7)
+    batch, single = tiny_target("llama"), tiny_target("llama")
+    rng, vocab = random.Random(4), single.config.vocab_size
+    bt = BatchTarget(batch, max_batch=2, capacity=16)
+    short, long = [rng.randrange(vocab) for _ in range(30)], [rng.randrange(vocab) for _ in range(45)]
+    bt.add(short, taps=(0, 2))
+    out = bt.add(long, taps=(0, 2))  # 45 tokens in 7 pieces; the cache (32 after the first) grows again
+    alone = single.prefill(long, taps=(0, 2), chunk=len(long))
+    torch.testing.assert_close(out.logits, alone.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.hidden, alone.hidden, atol=ATOL, rtol=0)
+    trees = [random_tree(rng, vocab, 5) for _ in range(2)]
+    for history, tree, got in zip((short, long), trees, bt.verify(trees)):
+        single.prefill(history, taps=(0, 2))
+        torch.testing.assert_close(got.logits, single.verify(tree).logits, atol=ATOL, rtol=0)
+
+
 def test_batched_drafting_equals_each_sequence_alone():
     target = tiny_target("qwen3")
     model = tiny_drafter(target, seed=2)

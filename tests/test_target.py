@@ -150,3 +150,17 @@ def test_bf16_tree_logits_lie_within_a_named_tolerance_of_fp32(smollm2):
         top2 = a.topk(2, dim=-1).values
         flipped = a.argmax(-1) != b.argmax(-1)
         assert ((top2[:, 0] - top2[:, 1])[flipped] < 2 * diff.max()).all()
+
+
+@pytest.mark.parametrize("runtime", ["auto", "hf"])
+def test_a_prefill_in_pieces_equals_one_forward(runtime):
+    """Chunked prefill: the last logits and every position's taps as one forward gives them, on both runtimes."""
+    target = tiny_target("qwen3", runtime=runtime)
+    ids = [random.Random(1).randrange(96) for _ in range(40)]
+    whole = target.prefill(ids, taps=(0, 2), chunk=len(ids))
+    tree = random_tree(random.Random(2), 96, 6)
+    after_whole = target.verify(tree).logits
+    pieces = target.prefill(ids, taps=(0, 2), chunk=9)
+    torch.testing.assert_close(pieces.logits, whole.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(pieces.hidden, whole.hidden, atol=ATOL, rtol=0)
+    torch.testing.assert_close(target.verify(tree).logits, after_whole, atol=ATOL, rtol=0)

@@ -29,6 +29,7 @@ from .clock import now
 from .drafters.base import Drafter
 from .engine import AUTO, GenerationResult, Sequence, check_budget, default_max_budget, run_round
 from .runtime import Target, TargetError, TargetOutput
+from .runtime.target import PREFILL_CHUNK
 from .runtime.transfer import upload
 from .speculation import BatchCosts, Policy, VerifyCosts, policy_for
 from .tree import DraftTree
@@ -61,12 +62,17 @@ class BatchTarget:
         if len(ids) >= self.target.context_length:
             raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.target.context_length}")
         self.taps = tuple(taps)
-        device = self.target.device
-        logits, hidden = self.target.static.forward_batch(
-            self.cache, len(self), torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None],
-            [0], None, self.taps, slice(-1, None))
+        # room for the whole prompt now, keeping what every sequence holds (a forward keeps only its own start)
+        self.cache.reserve(len(ids) + 1, keep=max(self.lengths, default=0))
+        device, taken = self.target.device, []
+        for start in range(0, len(ids), PREFILL_CHUNK):  # in pieces, as Target.prefill
+            piece = upload(torch.tensor([ids[start:start + PREFILL_CHUNK]]), device)
+            logits, hidden = self.target.static.forward_batch(
+                self.cache, len(self), piece, upload(torch.arange(start, start + piece.shape[1])[None], device),
+                [start], None, self.taps, slice(-1, None))
+            taken.append(hidden)
         self.lengths.append(len(ids))
-        return TargetOutput(logits[0].float(), None if hidden is None else hidden[0])
+        return TargetOutput(logits[0].float(), torch.cat(taken, dim=1)[0] if self.taps else None)
 
     def room(self) -> int:
         """Draft nodes the longest sequence has room for: padded trees must fit too."""

@@ -30,6 +30,10 @@ from .transfer import upload
 
 log = logging.getLogger(__name__)
 
+# tokens per prefill forward: a long prompt runs in pieces, each over the cache the earlier ones wrote, so that its
+# activations and attention mask stay bounded (a 32 K prompt in one forward: a 1 G-entry mask per layer)
+PREFILL_CHUNK = 4096
+
 
 class Target:
     """`runtime`: "auto" (the static runtime where the architecture has one, else HF), "static" (refuse a model
@@ -171,19 +175,23 @@ class Target:
         return self.backend.forward(upload(ids, self.device), upload(positions, self.device), self.length,
                                     allowed, self.taps, last_only, parents)
 
-    def prefill(self, ids: list[int], taps: tuple[int, ...] = ()) -> TargetOutput:
+    def prefill(self, ids: list[int], taps: tuple[int, ...] = (), chunk: int = PREFILL_CHUNK) -> TargetOutput:
         """Start a new sequence. Returns the logits of the last position and, at every position, the outputs of
-        the decoder layers `taps` (which every later `verify` of this sequence returns too)."""
+        the decoder layers `taps` (which every later `verify` of this sequence returns too). The prompt runs
+        `chunk` tokens at a time."""
         if not ids:
             raise ValueError("empty prompt")
         if len(ids) >= self.context_length:
             raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.context_length}")
         self.taps = tuple(taps)
         self.backend.start()
-        self.length, self.pending = 0, 0
-        out = self._forward(torch.tensor(ids), torch.arange(len(ids)), None, last_only=True)
-        self.length = len(ids)
-        return out
+        self.length, self.pending, hidden = 0, 0, []
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            out = self._forward(torch.tensor(piece), torch.arange(start, start + len(piece)), None, last_only=True)
+            self.length = start + len(piece)
+            hidden.append(out.hidden)
+        return TargetOutput(out.logits, torch.cat(hidden) if self.taps else None)
 
     def verify(self, tree: DraftTree) -> TargetOutput:
         """One forward over the flattened tree. The tree's K/V stay pending until `commit`."""
