@@ -195,3 +195,30 @@ def test_draft_vocabulary_scores_only_its_tokens(tmp_path):
     assert generate(target, small, prompt, 30, budget=8).tokens == ar
     with pytest.raises(DrafterError, match="ranks 40 tokens"):
         load_block_drafter("ddtree", target, tmp_path / "d", draft_vocab_size=50)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradients(kind):
+    from treeflash.models.dflash2 import DFlash2Drafter
+
+    drafter = tiny_drafter(tiny_target("qwen3"))
+    if kind == "dflash2":
+        drafter = DFlash2Drafter.from_dflash(drafter, conv_kernel_size=2, conv_group_size=16, selector_rank=4,
+                                             selector_top_k=4)
+    calls = []
+    for layer in drafter.layers:
+        layer.register_forward_hook(lambda *_: calls.append(1))
+    g = torch.Generator().manual_seed(0)
+    tokens, taps = torch.randint(96, (40,), generator=g), torch.randn(40, 2, 64, generator=g)
+    anchors = torch.tensor([3, 10, 20])
+    grads = []
+    for on in (False, True):
+        drafter.zero_grad()
+        drafter.gradient_checkpointing = on
+        calls.clear()
+        drafter(anchors, tokens, taps).square().sum().backward()
+        assert len(calls) == len(drafter.layers) * (2 if on else 1)  # recomputed in the backward pass
+        grads.append([p.grad.clone() for p in drafter.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -329,6 +329,9 @@ def build_parser() -> Parser:
     tq.add_argument("--conv-kernel-size", type=_positive_int, help="Kc, taps of the causal convs (2)")
     tq.add_argument("--conv-group-size", type=_positive_int, help="channels per dynamic kernel (16)")
     tq.add_argument("--selector-weight", type=float, help="weight of the selector's loss (1)")
+    for t in (td, tq, tt):
+        t.add_argument("--grad-checkpoint", action="store_true", help="recompute the drafter's layers in the "
+                       "backward pass instead of keeping their activations (less memory, one more forward)")
     for t in (td, tt):
         t.add_argument("--kl-topk", type=int, help="sparse forward KL over the target's top-k (0: full)")
         t.add_argument("--draft-vocab", type=int, metavar="N",

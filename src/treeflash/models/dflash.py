@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..runtime.transfer import upload
 from ..runtime import packed
@@ -62,6 +63,10 @@ class ContextCache:
 
 class DFlashDrafter(nn.Module):
     """The block drafter. `embed` and `lm_head` are the target's modules, attached, not owned (not saved)."""
+
+    # training: recompute each layer's activations in the backward pass instead of keeping them (less memory for
+    # the anchors of long sequences on wide targets, one more forward of the layers)
+    gradient_checkpointing = False
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -159,7 +164,10 @@ class DFlashDrafter(nn.Module):
                 h = layer(h, positions, k, v, mask, len(ctx_kv))
             return h
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            h = layer(h, positions, k, v, mask)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, positions, k, v, mask, use_reentrant=False)
+            else:
+                h = layer(h, positions, k, v, mask)
         return h
 
     def forward(self, anchors: torch.Tensor, tokens: torch.Tensor, taps: torch.Tensor,

@@ -191,6 +191,8 @@ class DFlash2Drafter(nn.Module):
     """The DFlash2 block drafter. Like DFlashDrafter, it uses the target's embedding and LM head (attached, not
     owned) and keeps only the context's injected K/V between rounds (a models.dflash.ContextCache)."""
 
+    gradient_checkpointing = False  # as DFlashDrafter's (`hidden` is its)
+
     def __init__(self, config: DFlash2Config):
         super().__init__()
         self.dflash2 = config

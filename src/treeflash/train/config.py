@@ -51,6 +51,7 @@ class DFlashRun(TrainRun):
     init: str | None = None  # a trained DFlash drafter to go on training
     kl_topk: int = 0
     draft_vocab: int | None = None
+    grad_checkpoint: bool = False  # recompute the drafter's layers in the backward pass (less memory)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class TreeFlashRun(TrainRun):
     init: str | None = None  # a TreeFlash drafter whose AR layer starts the training
     kl_topk: int = 0
     draft_vocab: int | None = None
+    grad_checkpoint: bool = False
 
 
 @dataclass
@@ -93,6 +95,7 @@ class DFlash2Run(TrainRun):
     conv_kernel_size: int = 2
     conv_group_size: int = 16
     selector_weight: float = 1.0
+    grad_checkpoint: bool = False
 
 
 RUNS = {c.kind: c for c in (DFlashRun, TreeFlashRun, WeaverRun, DFlash2Run)}

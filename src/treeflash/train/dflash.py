@@ -153,6 +153,7 @@ def run(job: DFlashRun | TreeFlashRun) -> dict:
             init_from_target(drafter, target.model)
         trainable = list(drafter.parameters())
     drafter.requires_grad_(False)
+    drafter.gradient_checkpointing = job.grad_checkpoint
     for param in trainable:
         param.requires_grad_(True)
     config = drafter.config

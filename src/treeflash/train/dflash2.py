@@ -113,6 +113,7 @@ def run(job: DFlash2Run) -> dict:
     drafter = build(job, target).attach(target.model).to(target.device)
     trainable = list((drafter.candidate_selector if job.selector_only else drafter).parameters())
     drafter.requires_grad_(False)
+    drafter.gradient_checkpointing = job.grad_checkpoint
     for param in trainable:
         param.requires_grad_(True)
     data = sequences(training_rows(job, target), job.max_len, drafter.config.block_size)
