@@ -163,3 +163,21 @@ def test_a_ddp_run_killed_mid_step_resumes_to_the_same_weights(ddp_run, tiny_fol
     assert_same_weights(a, b, atol=0)
     assert_same_optimizer(a, b)
     assert progress(resumed) == progress(straight)
+
+
+def test_regen_shared_by_two_processes_answers_every_prompt_once(tmp_path, tiny_folder):  # noqa: F811
+    """`data regen` under torchrun: each process answers its share into the same store (appends take turns),
+    and the store holds what one process writes: every prompt once, the same greedy answers."""
+    from test_train import _gsm8k_prompts
+    from treeflash.train.store import AnswerStore
+
+    data = _gsm8k_prompts(tmp_path, 7)
+    args = ["data", "regen", "--target", tiny_folder, "--data-dir", str(data), "--sources", "gsm8k", "--batch-size",
+            "2", "--shard-size", "2", "--max-new-tokens", "5", "--dtype", "float32"]
+    shared = cli([*args, "--out", str(tmp_path / "shared")], processes=2)
+    alone = cli([*args, "--out", str(tmp_path / "alone")])
+    assert shared.returncode == alone.returncode == 0, shared.stderr[-2000:]
+    answers = [{a.id: a.response_ids for a in AnswerStore(tmp_path / name).answers()} for name in ("shared", "alone")]
+    assert len(answers[0]) == 7 and answers[0] == answers[1]
+    store = AnswerStore(tmp_path / "shared")
+    assert store.verify() == [] and sum(e["answers"] for e in store.entries()) == 7

@@ -242,7 +242,7 @@ def build_parser() -> Parser:
     data = sub.add_parser("data", help="training data").add_subparsers(dest="data_command", required=True,
                                                                       parser_class=Parser)
     rg = data.add_parser("regen", help="the target regenerates the answers of training prompts into an answer store "
-                         "(appends; resumes from what the store holds)")
+                         "(appends; resumes from what the store holds; under torchrun each process answers its share)")
     rg.add_argument("--out", default=DEFAULT_STORE, help=f"the answer store ({DEFAULT_STORE}: the repository's)")
     rg.add_argument("--sources", default="gsm8k,mbpp,sharegpt,code_alpaca",
                     help="training prompt sets (gsm8k,mbpp,sharegpt,code_alpaca); never the test splits")

@@ -14,7 +14,7 @@ def cmd_data(args) -> None:
     from pathlib import Path
 
     from ..eval.datasets import default_data_dir
-    from ..train.data import regenerate, source_commit, training_prompts
+    from ..train.data import process_share, regenerate, source_commit, training_prompts
     from ..train.store import AnswerStore, import_jsonl, stores
 
     if args.data_command == "rank":
@@ -40,6 +40,7 @@ def cmd_data(args) -> None:
         prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
     meta = {"target": args.target, "dtype": args.dtype, "commit": source_commit(),
             "command": shlex.join(args.command_line)}
+    process_share()  # under torchrun: this process's GPU, before the target loads onto it
     report = regenerate(_load_target(args), prompts, AnswerStore(args.out), meta, args.max_new_tokens,
                         args.batch_size, seed=args.seed, temperature=args.temperature, shard_size=args.shard_size)
     print(json.dumps(report))

@@ -9,6 +9,7 @@ the prompt ids the store holds.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import zlib
@@ -79,6 +80,14 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
     return answers
 
 
+def process_share() -> tuple[int, int]:
+    """(rank, processes) of this `data regen` process: under torchrun each takes its share of the prompts (and its
+    own GPU, made current here before a target is loaded); alone (0, 1)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStore, meta: dict,
                max_new_tokens: int = 256, batch_size: int = 32, max_prompt_tokens: int = 512, seed: int = 0,
                temperature: float = 0.0, shard_size: int = 512) -> dict:
@@ -91,12 +100,15 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStor
     skip = store.done(temperature, seed)
     todo = [(i, p) for i, p in prompts if i not in skip]
     random.Random(seed).shuffle(todo)  # sources mixed, so a partial run is still a balanced sample
+    rank, world = process_share()
+    todo = todo[rank::world]  # under torchrun: each process answers its share, into the same store
     encoded = [(i, target.encode_prompt(p)) for i, p in todo]
     encoded = [(i, ids) for i, ids in encoded if len(ids) <= max_prompt_tokens]
     too_long = len(todo) - len(encoded)
     meta = {**meta, "temperature": temperature, "seed": seed, "max_new_tokens": max_new_tokens}
     tokens, started, pending = 0, time.time(), []
-    bar = tqdm(total=len(encoded), desc="regen", unit="prompt")
+    bar = tqdm(total=len(encoded), desc=f"regen {rank + 1}/{world}" if world > 1 else "regen", unit="prompt",
+               position=rank)
 
     def flush():
         store.append([r["id"] for r in pending], [r["prompt_ids"] for r in pending],

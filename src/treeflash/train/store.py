@@ -23,11 +23,17 @@ import json
 import os
 import time
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
+
+try:  # POSIX: processes that append together take turns (elsewhere regen runs as one process)
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
 
 from ..eval.datasets import DatasetError, is_chat_dev
 
@@ -67,14 +73,26 @@ class AnswerStore:
         return {i for e in self.entries() if e["temperature"] == temperature
                 and (temperature == 0 or e["seed"] == seed) for i in e["ids"]}
 
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The store to this process alone (processes of one `data regen` under torchrun append to it together)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / ".lock", "w") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
     def append(self, ids: list[str], prompt_ids: list[list[int]], answers: list[list[int]], meta: dict) -> dict:
         """Write one shard of answers and its manifest line; `meta` holds the run's settings (temperature, seed,
         target, dtype, max_new_tokens, command). Returns the manifest line."""
+        with self._locked():
+            return self._append(ids, prompt_ids, answers, meta)
+
+    def _append(self, ids: list[str], prompt_ids: list[list[int]], answers: list[list[int]], meta: dict) -> dict:
         entries = self.entries()
         if entries and entries[0].get("target") != meta.get("target"):
             raise DatasetError(f"{self.folder} holds answers of target {entries[0].get('target')!r}, not "
                                f"{meta.get('target')!r}: use another --out")
-        self.folder.mkdir(parents=True, exist_ok=True)
         width = np.uint16 if max((max(a, default=0) for a in answers), default=0) < 2 ** 16 else np.uint32
         buffer = io.BytesIO()
         np.savez_compressed(buffer, tokens=np.fromiter((t for a in answers for t in a), dtype=width),
