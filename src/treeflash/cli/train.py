@@ -15,13 +15,10 @@ def cmd_export(args) -> None:
 def cmd_train(args) -> None:
     from dataclasses import fields
 
-    from ..runtime import default_device, native_bf16
     from ..train import dflash, dflash2, weaver
     from ..train.config import RUNS
 
     kind = RUNS[args.train_command]
     run = kind(**{f.name: getattr(args, f.name) for f in fields(kind)})
-    if run.bf16 is None:  # emulated bf16 (AVX2-only CPUs) makes a step several times slower than fp32
-        run.bf16 = native_bf16(default_device(run.device))
     trainer = {"weaver": weaver, "dflash2": dflash2}.get(run.kind, dflash)
     print(json.dumps(trainer.run(run)))

@@ -262,7 +262,7 @@ def setup(job: TrainRun):
     """(rank, world size, the frozen target) for a training run; one CPU share per process under torchrun."""
     import os
 
-    from ..runtime import Target
+    from ..runtime import Target, native_bf16
     from .trainer import init_distributed
 
     rank, world = init_distributed()  # (each process on its own GPU)
@@ -272,6 +272,8 @@ def setup(job: TrainRun):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     # the dense weights: training was measured on them (a GGUF target's int4 kernels have no gradients either)
     target = Target.load(job.target, dtype=job.target_dtype, device=job.device, quantize="none")
+    if job.bf16 is None:  # emulated bf16 (AVX2-only CPUs) makes a step several times slower than fp32
+        job.bf16 = native_bf16(target.device)
     target.model.requires_grad_(False)
     torch.manual_seed(job.seed)
     return rank, world, target
