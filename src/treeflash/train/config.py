@@ -40,13 +40,19 @@ class TrainRun:
 
 
 @dataclass
-class DFlashRun(TrainRun):
-    kind: ClassVar[str] = "dflash"
+class FreshDrafterRun(TrainRun):
+    """A fresh drafter's sizes (a trained one keeps its own)."""
+
     layers: int = 3
     taps: int = 5
-    intermediate_size: int | None = None
+    intermediate_size: int | None = None  # None: the target's
     block_size: int = 16
-    mask_token: str | None = None
+    mask_token: str | None = None  # an id or the token's text; None: the tokenizer's mask token, else a spare one
+
+
+@dataclass
+class DFlashRun(FreshDrafterRun):
+    kind: ClassVar[str] = "dflash"
     init_layers: str = "random"
     init: str | None = None  # a trained DFlash drafter to go on training
     kl_topk: int = 0
@@ -80,13 +86,8 @@ class WeaverRun(TrainRun):
 
 
 @dataclass
-class DFlash2Run(TrainRun):
+class DFlash2Run(FreshDrafterRun):
     kind: ClassVar[str] = "dflash2"
-    layers: int = 3
-    taps: int = 5
-    intermediate_size: int | None = None
-    block_size: int = 16
-    mask_token: str | None = None
     backbone: str | None = None
     init: str | None = None
     selector_only: bool = False
