@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.transfer import download
 from ..tree import DraftTree
 from .opt_tree import opt_tree
 
@@ -17,7 +18,8 @@ def top_marginals(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 def chain_tree(root: int, probs: torch.Tensor, tokens: torch.Tensor, budget: int) -> DraftTree:
     """The argmax of each depth's marginal, at most `budget` deep (tables of top_marginals, k >= 1)."""
-    return DraftTree.chain(root, tokens[:budget, 0].tolist(), probs[:budget, 0].tolist())
+    drafts, chances = download(tokens[:budget, 0], probs[:budget, 0])  # one wait for a GPU
+    return DraftTree.chain(root, drafts.tolist(), chances.tolist())
 
 
 def best_first_tree(root: int, probs: torch.Tensor, tokens: torch.Tensor, budget: int) -> DraftTree:

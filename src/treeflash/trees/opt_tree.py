@@ -14,14 +14,15 @@ import heapq
 
 import torch
 
+from ..runtime.transfer import download
 from ..tree import DraftTree
 
 
 def opt_tree(root: int, tokens: torch.Tensor, probs: torch.Tensor, budget: int) -> DraftTree:
     """tokens [D, M] candidates per depth; probs [D, P, M] conditionals with P in {1, M}; at most `budget` nodes."""
     depth, width = tokens.shape
-    order = probs.argsort(dim=-1, descending=True).tolist()  # children by probability, per (depth, parent)
-    p, tok = probs.tolist(), tokens.tolist()
+    # children by probability, per (depth, parent); the three tables read back with one wait for a GPU
+    order, p, tok = (t.tolist() for t in download(probs.argsort(dim=-1, descending=True), probs, tokens))
 
     def row(d: int, j: int) -> int:
         return j if len(p[d]) > 1 else 0
