@@ -19,6 +19,7 @@ from .transfer import upload
 
 class HFRuntime:
     name = "hf"
+    decoder = None  # (the static runtime's; batches need it)
 
     def __init__(self, model):
         self.model = model

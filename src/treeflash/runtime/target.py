@@ -62,7 +62,7 @@ class Target:
     @property
     def static(self) -> StaticDecoder | None:
         """The static runtime's decoder (batches run on it), or None on the HF runtime."""
-        return getattr(self.backend, "decoder", None)
+        return self.backend.decoder
 
     @property
     def compiled(self) -> bool:
