@@ -54,24 +54,13 @@ class FixedShapeForward:
         self.graph = None  # captured at the first call, once the inputs hold real values
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from .static_decoder import _rms_norm, decoder_layer
+        from .static_decoder import _rms_norm, attention_mask
 
-        d, (B, n) = self.decoder, self.ids.shape
-        g = d.heads // d.kv_heads
-        # each sequence sees its cache before its start, and among its own tokens its tree's ancestors
-        mask = torch.arange(self.capacity, device=self.ids.device) < self.starts[:, None, None]
-        mask = mask.expand(B, n, self.capacity).scatter(2, self.cols[:, None, :].expand(B, n, n), self.inner)
-        mask = mask.repeat(1, g, 1)[:, None]  # query rows are (group member, token)
+        d = self.decoder
+        mask = attention_mask(self.starts, self.cols, self.inner, self.capacity, d.heads // d.kv_heads)
         cos, sin = self.cos[self.positions][:, None], self.sin[self.positions][:, None]
-        x = d.embed(self.ids)
-        kept = {-1: x} if -1 in self.taps else {}
-        last = len(d.layers) - 1
-        for i, layer in enumerate(d.layers):
-            x = decoder_layer(layer, d.shape, x, cos, sin, self.cache.k[i, self.slots], self.cache.v[i, self.slots],
-                              self.capacity, None, self.cols, mask)
-            if i in self.taps:
-                kept[i] = _rms_norm(x, d.final_norm) if i == last else x
-        hidden = torch.stack([kept[i] for i in self.taps], dim=2) if self.taps else None
+        x, hidden = d.layers_forward(self.ids, cos, sin, self.cache, self.slots, self.capacity, None, self.cols, mask,
+                                     self.taps)
         return d.lm_head(_rms_norm(x, d.final_norm)), hidden
 
     def _capture(self) -> None:

@@ -170,6 +170,17 @@ def decoder_layer(layer: _Layer, shape: tuple[int, int, int], x: torch.Tensor, c
     return x + layer.down(layer.act(gate) * up)
 
 
+def attention_mask(first: torch.Tensor, cols: torch.Tensor, inner: torch.Tensor, width: int,
+                   group: int) -> torch.Tensor:
+    """Which of the cache's first `width` positions each query row sees, [B, 1, group * n, width]: a sequence's
+    own cache before its first position `first` [B], and among its n tokens (written at `cols` [B, n]) those
+    `inner` [B, n, n] allows. Query rows are (group member, token), as `decoder_layer` folds them."""
+    B, n = cols.shape
+    mask = torch.arange(width, device=cols.device) < first[:, None, None]
+    mask = mask.expand(B, n, width).scatter(2, cols[:, None, :].expand(B, n, n), inner)
+    return mask.repeat(1, group, 1)[:, None]
+
+
 class KVCache:
     """Preallocated K/V of `slots` sequences for all layers: [layers, slots, kv_heads, capacity, head_dim] per kind.
     A forward writes its tokens in place; commit is ONE gather into place for all layers. It doubles when it must
@@ -310,8 +321,6 @@ class StaticDecoder:
         nb = bucket(n)
         cache.reserve(max(starts) + nb, keep=max(starts))  # the padding writes past the tree too
         self._rope_table(cache.capacity)
-        if not set(taps) <= set(range(-1, len(self.layers))):
-            raise IndexError(f"taps {taps} name layers the model does not have (-1..{len(self.layers) - 1})")
         key = (first_slot, B, nb, taps)
         if key not in cache.graphs:
             cache.graphs[key] = FixedShapeForward(self, cache, first_slot, B, nb, taps, self.graphs == "capture")
@@ -347,28 +356,30 @@ class StaticDecoder:
         if n > 1 or not even:  # each sequence sees its own cache; within the block, causal or its tree's ancestors
             inner = allowed if allowed is not None else torch.ones(B, n, n, dtype=torch.bool,
                                                                    device=ids.device).tril()
-            mask = torch.arange(end, device=ids.device) < first[:, None, None]
-            mask = mask.expand(B, n, end).clone()
-            if even:
-                mask[:, :, starts[0]:end] = inner
-            else:
-                mask[torch.arange(B, device=ids.device)[:, None], :, cols] = inner.transpose(1, 2)
-            mask = mask.repeat(1, g, 1)[:, None]  # query rows are (group member, token)
+            mask = attention_mask(first, cols, inner, end, g)
+        # the compiled layer for the few rows of decoding and small trees; more rows, prefills too, stay eager
+        x, hidden = self.layers_forward(ids, cos, sin, cache, slots, end, starts[0] if even else None, cols, mask,
+                                        taps, compiled=B * n <= self.compiled_rows)
+        logits = self.lm_head(_rms_norm(x[:, logits_at], self.final_norm))
+        return logits, hidden
+
+    def layers_forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slots: slice,
+                       end: int, at: int | None, cols: torch.Tensor, mask: torch.Tensor | None,
+                       taps: tuple[int, ...], compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The embeddings of ids [B, n] through every decoder layer (`decoder_layer`'s arguments; `compiled`: the
+        compiled layer instead): the last layer's output [B, n, H] and the taps [B, n, len(taps), H] or None."""
+        last = len(self.layers) - 1
+        if not set(taps) <= set(range(-1, last + 1)):
+            raise IndexError(f"taps {taps} name layers the model does not have (-1..{last})")
         x = self.embed(ids)
         kept = {-1: x} if -1 in taps else {}  # layer -1: the embeddings (HF's hidden_states[0])
-        # the compiled layer for the few rows of decoding and small trees; more rows, prefills too, stay eager
-        compiled = B * n <= self.compiled_rows
         for i, layer in enumerate(self.layers):
             if compiled:
                 x = self.compiled_layer(x, cos, sin, cache.k[i, slots], cache.v[i, slots], end, cols, mask,
                                         *self.compiled_weights[i])
             else:
-                x = decoder_layer(layer, self.shape, x, cos, sin, cache.k[i, slots], cache.v[i, slots], end,
-                                  starts[0] if even else None, cols, mask)
+                x = decoder_layer(layer, self.shape, x, cos, sin, cache.k[i, slots], cache.v[i, slots], end, at,
+                                  cols, mask)
             if i in taps:  # as HF's hidden_states[i + 1], which for the last layer is after the final norm
-                kept[i] = _rms_norm(x, self.final_norm) if i == len(self.layers) - 1 else x
-        if len(kept) != len(set(taps)):
-            raise IndexError(f"taps {taps} name layers the model does not have (-1..{len(self.layers) - 1})")
-        hidden = torch.stack([kept[i] for i in taps], dim=2) if taps else None
-        logits = self.lm_head(_rms_norm(x[:, logits_at], self.final_norm))
-        return logits, hidden
+                kept[i] = _rms_norm(x, self.final_norm) if i == last else x
+        return x, torch.stack([kept[i] for i in taps], dim=2) if taps else None
