@@ -110,8 +110,7 @@ class BatchTarget:
         """Keep, for each sequence, the K/V of its accepted path (node indices into its last verified tree)."""
         for b, nodes in enumerate(paths):
             start = self.lengths[b]
-            if nodes != list(range(len(nodes))):
-                self.cache.gather(b, start, upload(torch.tensor(nodes), self.target.device) + start)
+            self.cache.keep(b, start, nodes)
             self.lengths[b] = start + len(nodes)
 
 

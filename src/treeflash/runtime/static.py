@@ -15,7 +15,6 @@ from ..models.checkpoint import error_line
 from .loading import set_inductor_cache
 from .output import TargetOutput
 from .static_decoder import StaticDecoder
-from .transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +36,7 @@ class StaticRuntime:
 
     def keep(self, start: int, nodes: list[int]) -> None:
         """Keep the K/V of `nodes` of the tree verified after `start` positions: one gather for all layers."""
-        if nodes != list(range(len(nodes))):
-            self.decoder.cache.gather(0, start, upload(torch.tensor(nodes), self.decoder.device) + start)
+        self.decoder.cache.keep(0, start, nodes)
 
     def discard(self, length: int) -> None:
         pass  # (as in `start`)

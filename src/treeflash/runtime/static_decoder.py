@@ -212,9 +212,13 @@ class KVCache:
             self._allocate(min(max(length, 2 * self.capacity), self.decoder.max_positions), keep)
 
     @torch.inference_mode()
-    def gather(self, slot: int, start: int, index: torch.Tensor) -> None:
-        """Move the K/V of `slot` at positions `index` to start, start + 1, ...: one copy for all layers."""
-        k = len(index)
+    def keep(self, slot: int, start: int, nodes: list[int]) -> None:
+        """Keep the K/V of `nodes` (indices into the tree verified at `start` in `slot`, a root-to-node path): moved
+        to start, start + 1, ..., one copy for all layers; nothing to move where they are there already."""
+        k = len(nodes)
+        if nodes == list(range(k)):
+            return
+        index = upload(torch.tensor(nodes), self.k.device) + start
         self.k[:, slot, :, start:start + k] = self.k[:, slot, :, index]
         self.v[:, slot, :, start:start + k] = self.v[:, slot, :, index]
 
