@@ -29,7 +29,7 @@ from .clock import now
 from .drafters.base import Drafter
 from .engine import AUTO, GenerationResult, Sequence, check_budget, default_max_budget, run_round
 from .runtime import Target, TargetError, TargetOutput
-from .runtime.target import PREFILL_CHUNK
+from .runtime.target import PREFILL_CHUNK, prefill_in_pieces
 from .runtime.transfer import upload
 from .speculation import BatchCosts, Policy, VerifyCosts, policy_for
 from .tree import DraftTree
@@ -64,15 +64,16 @@ class BatchTarget:
         self.taps = tuple(taps)
         # room for the whole prompt now, keeping what every sequence holds (a forward keeps only its own start)
         self.cache.reserve(len(ids) + 1, keep=max(self.lengths, default=0))
-        device, taken = self.target.device, []
-        for start in range(0, len(ids), PREFILL_CHUNK):  # in pieces, as Target.prefill
-            piece = upload(torch.tensor([ids[start:start + PREFILL_CHUNK]]), device)
+        device, slot = self.target.device, len(self)
+
+        def piece(piece_ids: torch.Tensor, positions: torch.Tensor, start: int) -> TargetOutput:
             logits, hidden = self.target.static.forward_batch(
-                self.cache, len(self), piece, upload(torch.arange(start, start + piece.shape[1])[None], device),
-                [start], None, self.taps, slice(-1, None))
-            taken.append(hidden)
+                self.cache, slot, upload(piece_ids[None], device), upload(positions[None], device), [start], None,
+                self.taps, slice(-1, None))
+            return TargetOutput(logits[0].float(), None if hidden is None else hidden[0])
+        out = prefill_in_pieces(ids, piece, PREFILL_CHUNK)
         self.lengths.append(len(ids))
-        return TargetOutput(logits[0].float(), torch.cat(taken, dim=1)[0] if self.taps else None)
+        return out
 
     def room(self) -> int:
         """Draft nodes the longest sequence has room for: padded trees must fit too."""

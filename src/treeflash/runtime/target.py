@@ -35,6 +35,18 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK = 4096
 
 
+def prefill_in_pieces(ids: list[int], forward, chunk: int = PREFILL_CHUNK) -> TargetOutput:
+    """A prompt `chunk` tokens at a time: `forward(ids [n], positions [n], start)` runs one piece after the `start`
+    positions before it and returns its TargetOutput (the last logits, every position's taps or None). Returns
+    the last piece's logits and every position's taps."""
+    pieces = []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        pieces.append(forward(torch.tensor(piece), torch.arange(start, start + len(piece)), start))
+    hidden = None if pieces[0].hidden is None else torch.cat([p.hidden for p in pieces])
+    return TargetOutput(pieces[-1].logits, hidden)
+
+
 class Target:
     """`runtime`: "auto" (the static runtime where the architecture has one, else HF), "static" (refuse a model
     without one) or "hf" (the reference)."""
@@ -185,13 +197,14 @@ class Target:
             raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.context_length}")
         self.taps = tuple(taps)
         self.backend.start()
-        self.length, self.pending, hidden = 0, 0, []
-        for start in range(0, len(ids), chunk):
-            piece = ids[start:start + chunk]
-            out = self._forward(torch.tensor(piece), torch.arange(start, start + len(piece)), None, last_only=True)
-            self.length = start + len(piece)
-            hidden.append(out.hidden)
-        return TargetOutput(out.logits, torch.cat(hidden) if self.taps else None)
+        self.pending = 0
+
+        def piece(piece_ids: torch.Tensor, positions: torch.Tensor, start: int) -> TargetOutput:
+            self.length = start
+            return self._forward(piece_ids, positions, None, last_only=True)
+        out = prefill_in_pieces(ids, piece, chunk)
+        self.length = len(ids)
+        return out
 
     def verify(self, tree: DraftTree) -> TargetOutput:
         """One forward over the flattened tree. The tree's K/V stay pending until `commit`."""
