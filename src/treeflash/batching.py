@@ -27,7 +27,7 @@ import torch
 
 from .clock import now
 from .drafters.base import Drafter
-from .engine import AUTO, GenerationResult, Sequence, check_budget, default_max_budget, run_round
+from .engine import AUTO, GenerationResult, Sequence, check_budget, run_round
 from .runtime import Target, TargetError, TargetOutput
 from .runtime.target import PREFILL_CHUNK, prefill_in_pieces
 from .runtime.transfer import upload
@@ -166,8 +166,7 @@ class BatchEngine:
 
     def __init__(self, target: Target, drafter: Drafter, max_batch: int = 8, budget: int | str = AUTO,
                  max_budget: int | None = None):
-        max_budget = max_budget or default_max_budget(target.device)  # None: the device's default
-        check_budget(budget, max_budget)
+        max_budget = check_budget(budget, max_budget, target.device)  # None: the device's default
         self.target, self.slots, self.batch = target, BatchTarget(target, max_batch), BatchDrafter(drafter)
         self.requests: list[Request] = []
         self.budget = budget if budget != AUTO else max_budget

@@ -224,11 +224,15 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     return Outcome(new, trees, expected, t1 - t0, t3 - t1, drafted, forward_s, calls)
 
 
-def check_budget(budget: int | str, max_budget: int = DEFAULT_MAX_BUDGET) -> None:
+def check_budget(budget: int | str, max_budget: int | None, device: torch.device) -> int:
+    """Refuse a budget or max_budget out of range; returns max_budget, None being the device's default."""
     if budget != AUTO and (not isinstance(budget, int) or budget < 1):
         raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
+    if max_budget is None:
+        return default_max_budget(device)
     if max_budget < 1:
         raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+    return max_budget
 
 
 def generate(
@@ -250,8 +254,7 @@ def generate(
     `max_budget` None: the device's default (`default_max_budget`).
     `should_stop`, asked before every round, ends the generation early when it returns True (a server's client
     that left, a stop string seen, a deadline passed)."""
-    max_budget = max_budget or default_max_budget(target.device)
-    check_budget(budget, max_budget)
+    max_budget = check_budget(budget, max_budget, target.device)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
