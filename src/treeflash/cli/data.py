@@ -14,7 +14,8 @@ def cmd_data(args) -> None:
     from pathlib import Path
 
     from ..eval.datasets import default_data_dir
-    from ..train.data import process_share, regenerate, source_commit, training_prompts
+    from ..train.data import regenerate, source_commit, training_prompts
+    from ..train.processes import process_share
     from ..train.store import AnswerStore, import_jsonl, stores
 
     if args.data_command == "rank":

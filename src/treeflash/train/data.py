@@ -9,7 +9,6 @@ the prompt ids the store holds.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 import zlib
@@ -23,6 +22,7 @@ from tqdm import tqdm
 from ..eval.datasets import SHAREGPT, DatasetError, is_chat_dev, read_jsonl
 from ..runtime import Target
 from ..verify import Sampling
+from .processes import process_share
 from .store import AnswerStore
 
 MBPP_TEST_IDS = range(11, 511)  # the MBPP test split: never trained on
@@ -78,14 +78,6 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
         end = next((i + 1 for i, t in enumerate(row) if t in target.eos_ids), len(row))
         answers.append(row[:end])
     return answers
-
-
-def process_share() -> tuple[int, int]:
-    """(rank, processes) of this `data regen` process: under torchrun each takes its share of the prompts (and its
-    own GPU, made current here before a target is loaded); alone (0, 1)."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStore, meta: dict,

@@ -263,7 +263,7 @@ def setup(job: TrainRun):
     import os
 
     from ..runtime import Target, native_bf16
-    from .trainer import init_distributed
+    from .processes import init_distributed
 
     rank, world = init_distributed()  # (each process on its own GPU)
     if job.threads:

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from ..models.checkpoint import DrafterError, error_line, load_strict
 from .losses import cosine_lr
+from .processes import init_distributed
 
 
 @dataclass
@@ -53,17 +54,6 @@ class TrainConfig:
 
 
 DEFAULT_BATCH_SIZE = 4
-
-
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size); starts the process group when launched by torchrun, each process on its own GPU first
-    (NCCL binds a process to the device that is current when the group starts)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return (dist.get_rank() if world > 1 else 0), world
 
 
 def batch_size_for(requested: int | None, world: int) -> int:
