@@ -34,6 +34,7 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
 SMALL = dict(QWEN3_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' kernel cases and prompts
 # fp32 on both runtimes: different products (fused q|k|v, other GEMM shapes) round differently, about 1e-5 here
 LOGIT_TOLERANCE = 1e-3
 
@@ -52,15 +53,6 @@ def random_qwen3(shape: dict, layers: int, dtype: torch.dtype, device: str, seed
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype).eval()
-
-
-def repetitive_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
-    """Repeated motifs, so that prompt lookup finds matches."""
-    motifs = [[rng.randrange(vocab) for _ in range(rng.randint(2, 5))] for _ in range(4)]
-    out: list[int] = []
-    while len(out) < n:
-        out += rng.choice(motifs) if rng.random() < 0.7 else [rng.randrange(vocab)]
-    return out[:n]
 
 
 def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
@@ -98,7 +90,6 @@ def versions(args) -> dict:
 
 
 def triton_kernel(args) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import test_gdn
 
     test_gdn.run_triton_cases(args.device)  # raises where it differs
@@ -185,6 +176,8 @@ def correctness(args) -> dict:
     # every method against ar, alone and batched; ar against transformers' generate (an outside reference); then
     # again with the verification forwards in fixed shapes (`--compile` on CUDA: CUDA graphs; on a CPU: eagerly)
     n = 24 if args.small else 32
+    from test_lossless import repetitive_prompt
+
     prompts = [repetitive_prompt(random.Random(s), vocab, length) for s, length in ((1, 64), (2, 40), (3, 97))]
     ars = [generate(fast, make_drafter("ar"), p, n).tokens for p in prompts]
     hf = model.generate(torch.tensor([prompts[0]], device=model.device), max_new_tokens=n, do_sample=False,
