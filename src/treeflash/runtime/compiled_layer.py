@@ -1,25 +1,37 @@
-"""The static runtime's decoder layer for 4-bit targets, compiled: `torch.compile` (inductor, C++ wrapper) over one
-layer, the graph every layer shares.
+"""The static runtime's decoder layer for 4-bit targets, compiled ahead of time: `torch.export` over one layer, the
+graph every layer shares, built by AOTInductor into a package cached on disk.
 
 Eager, a decoding step of SmolLM2 spends about as long dispatching the small ops around its 4-bit products (norms,
 RoPE, cache writes, attention) as in the products. Compiled, those ops fuse into a few C++ loops around the
-products and no Python runs between them; attention is two fused reductions around a softmax (SDPA's CPU
-kernel costs more at decoding's sizes). The layer takes its weights as plain tensors, so dynamo's guards are few and
-cheap (they run on every call). Shapes (rows, context length, batch) become symbolic after their first change, so
-it compiles a handful of graphs; inductor caches them on disk (TORCHINDUCTOR_CACHE_DIR).
+products; attention is two fused reductions around a softmax (SDPA's CPU kernel costs more at decoding's sizes).
+Ahead of time rather than `torch.compile`, because a step calls the layer once per layer (30 calls for SmolLM2):
+dynamo's guards and AOTAutograd's wrappers cost ~25 us a call there, about 12 % of a step, and an AOTInductor
+runner costs almost nothing above its kernels. One graph takes every batch, row count and length (sizes are
+symbolic from 0 up: `backed_size_oblivious`), so it compiles once per model shape (~20 s) and a second start
+loads it in milliseconds.
 
-`static_decoder.decoder_layer` is the eager reference; tests hold this one to it.
+The layer takes its weights as plain tensors (nothing frozen into the package) and finds the attended length in
+the mask's width. `static_decoder.decoder_layer` is the eager reference; tests hold this one to it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .int4 import GROUP
+from .loading import cache_dir
 from .static_decoder import _rotate
+
+log = logging.getLogger(__name__)
 
 
 def layer_weights(layer) -> tuple[torch.Tensor, ...]:
@@ -36,29 +48,27 @@ def layer_weights(layer) -> tuple[torch.Tensor, ...]:
     return tuple(weights)
 
 
-def compile_layer(shape: tuple[int, int, int], eps: float) -> Callable:
-    """The compiled layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps` and SiLU
-    gates; called as layer(x, cos, sin, k_cache, v_cache, end, cols, mask, *layer_weights(layer)), with the
-    arguments of `static_decoder.decoder_layer` (the K/V always written at `cols`)."""
-    heads, kv_heads, hd = shape
-    qd, kvd = heads * hd, kv_heads * hd
+class Layer(torch.nn.Module):
+    """One decoder layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps` and SiLU
+    gates, as exported: layer(x, cos, sin, k_cache, v_cache, cols, mask, *layer_weights(layer)) with the arguments
+    of `static_decoder.decoder_layer` (the K/V always written at `cols`; the tokens attend to the cache's first
+    mask.shape[-1] positions under `mask`)."""
 
-    def product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(scale_zeros.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scale_zeros).to(x.dtype)
-        return y.reshape(*x.shape[:-1], -1)
+    def __init__(self, shape: tuple[int, int, int], eps: float):
+        super().__init__()
+        self.shape, self.eps = shape, eps
 
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, weight.shape, weight, eps)
-
-    def layer(x, cos, sin, k_cache, v_cache, end: int, cols, mask, in_norm, post_norm, qkv, qkv_sz, o, o_sz,
-              gate_up, gate_up_sz, down, down_sz):
+    def forward(self, x, cos, sin, k_cache, v_cache, cols, mask, in_norm, post_norm, qkv, qkv_sz, o, o_sz,
+                gate_up, gate_up_sz, down, down_sz):
+        heads, kv_heads, hd = self.shape
+        qd, kvd = heads * hd, kv_heads * hd
         B, n, _ = x.shape
-        h = product(norm(x, in_norm), qkv, qkv_sz)
+        end = mask.shape[-1]
+        h = _product(F.rms_norm(x, in_norm.shape, in_norm, self.eps), qkv, qkv_sz)
         qk = _rotate(h[..., :qd + kvd].view(B, n, heads + kv_heads, hd).transpose(1, 2), cos, sin)
         v = h[..., qd + kvd:].view(B, n, kv_heads, hd).transpose(1, 2)
         q, k = qk[:, :heads], qk[:, heads:]
-        # in place: a slice write of a graph input would copy the whole cache
+        # in place: the package writes into the caller's cache
         index = (torch.arange(B, device=x.device)[:, None, None], torch.arange(kv_heads, device=x.device)[:, None],
                  cols[:, None])
         k_cache.index_put_(index, k)
@@ -67,14 +77,79 @@ def compile_layer(shape: tuple[int, int, int], eps: float) -> Callable:
         # attention as two fused reductions: no matrix-product call, and no pattern inductor would turn back
         # into its SDPA call (which costs more than the whole attention at decoding's sizes)
         scores = (q.float()[:, :, :, None] * k_cache[:, :, None, :end].float()).sum(-1) * hd ** -0.5
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))
         out = (scores.softmax(-1)[..., None] * v_cache[:, :, None, :end].float()).sum(-2).to(x.dtype)
         out = out.reshape(B, heads, n, hd).transpose(1, 2).reshape(B, n, qd)
-        x = x + product(out, o, o_sz)
-        gate, up = product(norm(x, post_norm), gate_up, gate_up_sz).chunk(2, dim=-1)
-        return x + product(F.silu(gate) * up, down, down_sz)
+        x = x + _product(out, o, o_sz)
+        gate, up = _product(F.rms_norm(x, post_norm.shape, post_norm, self.eps), gate_up, gate_up_sz).chunk(2, -1)
+        return x + _product(F.silu(gate) * up, down, down_sz)
 
-    # a few graphs per model (one row or several, with or without a mask, batches), each layer the same graph
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    return torch.compile(layer, options={"cpp_wrapper": True}, dynamic=None)
+
+def _product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).to(scale_zeros.dtype)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scale_zeros).to(x.dtype)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple:
+    """Inputs to trace the layer with: 2 sequences of 2 tokens after 4 cached positions, in a cache of 8."""
+    heads, kv_heads, hd = shape
+    B, n, start, capacity = 2, 2, 4, 8
+    device = weights[0].device
+    cols = torch.arange(start, start + n, device=device).expand(B, n).contiguous()
+    mask = torch.ones(B, 1, heads // kv_heads * n, start + n, dtype=torch.bool, device=device)
+    hidden = weights[0].shape[0]  # the input norm's weight
+    return (torch.randn(B, n, hidden, dtype=dtype, device=device),
+            torch.randn(B, 1, n, hd, dtype=dtype, device=device), torch.randn(B, 1, n, hd, dtype=dtype, device=device),
+            torch.zeros(B, kv_heads, capacity, hd, dtype=dtype, device=device),
+            torch.zeros(B, kv_heads, capacity, hd, dtype=dtype, device=device), cols, mask, *weights)
+
+
+def package_path(shape: tuple[int, int, int], eps: float, dtype: torch.dtype,
+                 weights: tuple[torch.Tensor, ...]) -> Path:
+    """Where the package of this layer lives: one per model shape, torch version, CPU capability (the code is
+    built for this machine's vector ISA) and version of this file."""
+    key = repr((torch.__version__, torch.backends.cpu.get_cpu_capability(), shape, eps, str(dtype),
+                [(tuple(w.shape), str(w.dtype)) for w in weights], Path(__file__).read_bytes()))
+    return cache_dir() / "aoti" / f"layer-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt2"
+
+
+def build(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
+          path: Path) -> None:
+    """Export the layer and compile it into the package at `path` (written whole, then renamed: two processes
+    building at once leave one complete package)."""
+    args = example_inputs(shape, weights, dtype)
+    auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
+    dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
+            {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}) + (None,) * len(weights)
+    # sizes from 0 up: without it, export assumes every symbolic size is at least 2 (one token, one sequence)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+        program = torch.export.export(Layer(shape, eps), args, dynamic_shapes=dims, strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+    os.close(fd)
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype,
+                  weights: tuple[torch.Tensor, ...]) -> Callable:
+    """The compiled layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps`, activations
+    of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights`): loaded from the cache, or
+    built first. Called as `Layer.forward`."""
+    path = package_path(shape, eps, dtype, weights)
+    with warnings.catch_warnings():  # torch's own deprecations inside export and the package loader
+        warnings.simplefilter("ignore", FutureWarning)
+        if not path.exists():
+            log.info("compiling the decoder layer ahead of time (once per model and machine): %s", path)
+            build(shape, eps, dtype, weights, path)
+        # the runner itself: the package's __call__ re-reads its input spec on every call (~15 us a layer)
+        run = torch._inductor.aoti_load_package(str(path)).loader.run
+
+    def layer(*args: torch.Tensor) -> torch.Tensor:
+        return run(list(args))[0]
+    return layer

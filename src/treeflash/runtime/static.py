@@ -1,6 +1,6 @@
 """The fast runtime of attention-only Llama-family targets: `StaticDecoder` (static_decoder.py) over one
-sequence's slot, compiled where that pays (its layers through torch.compile on a CPU, CUDA graphs of the
-verification forwards on a GPU)."""
+sequence's slot, compiled where that pays (its layers built ahead of time by AOTInductor on a CPU, CUDA graphs of
+the verification forwards on a GPU)."""
 
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ class StaticRuntime:
         except Exception as err:  # the toolchain failed (a compiler without Python's headers, ...): auto stays eager
             first = error_line(err)
             if mode == "on":
-                raise ValueError(f"torch.compile failed: {first}") from err
-            log.warning("compile auto: torch.compile failed, decoding eager: %s", first)
+                raise ValueError(f"compiling the layer failed: {first}") from err
+            log.warning("compile auto: compiling the layer failed, decoding eager: %s", first)
 
     @contextmanager
     def eager(self):

@@ -15,7 +15,7 @@ What makes it lean, each against what the generic HF path does:
 - attention is SDPA with an explicit boolean mask (none for one token); grouped-query attention folds the query
   heads of a group into the query axis instead of repeating K/V;
 - only the tapped layers' outputs are kept, and the LM head runs only at the positions asked for;
-- on request (`compile`), forwards of a few rows run each layer through `torch.compile` (`compiled_layer.py`), with
+- on request (`compile`), forwards of a few rows run each layer compiled ahead of time (`compiled_layer.py`), with
   `decoder_layer` as the eager reference; on CUDA, verification forwards run as CUDA graphs in fixed shapes
   (`graphed.py`: token buckets, attention over the cache's capacity under a mask built on the device).
 """
@@ -266,33 +266,18 @@ class StaticDecoder:
         self.graphs = "capture" if capture else "eager"
 
     def compile(self) -> None:
-        """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, compiled here:
-        those of the 4-bit kernel, from one row to DENSE_ROWS - 1 (the packed dense copy's products, prefills
-        included, stay eager: inductor lowers oneDNN-packed products only for weights it froze itself). Raises
-        ValueError for a model whose layers have no compiled form, or whose activation is not SiLU."""
+        """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, built here (or
+        loaded from its cache): those of the 4-bit kernel, from one row to DENSE_ROWS - 1 (the packed dense copy's
+        products, prefills included, stay eager). Raises ValueError for a model whose layers have no compiled
+        form, or whose activation is not SiLU."""
         from .compiled_layer import compile_layer, layer_weights  # (it imports this module's helpers)
 
         if self.config.hidden_act != "silu":
             raise ValueError(f"the compiled layer has SiLU gates only, not {self.config.hidden_act}")
-        self.compiled_weights = [layer_weights(layer) for layer in self.layers]
-        self.compiled_layer = compile_layer(self.shape, self.layers[0].in_norm.variance_epsilon)
-        self.compiled_rows = DENSE_ROWS.get(self.dtype, 6) - 1
-        try:
-            self._warm_up()
-        except Exception:  # inductor could not build it here: stay eager
-            self.compiled_layer, self.compiled_weights, self.compiled_rows = None, [], 0
-            raise
-
-    def _warm_up(self) -> None:
-        """Compile now what decoding will run (one row, and a few with a mask, each at two lengths so that the
-        lengths become symbolic), not in the first timed round; the single-sequence cache is scratch until the
-        next prefill. Batches compile on first use."""
-        cache = self.cache  # its capacity, as decoding will see it; prefill overwrites what this leaves
-        for n in (1, 2, 3):
-            for start in (16, 17):
-                ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
-                positions = torch.arange(start, start + n, device=self.device)[None]
-                self.forward_batch(cache, 0, ids, positions, [start], None, logits_at=slice(-1, None))
+        weights = [layer_weights(layer) for layer in self.layers]
+        self.compiled_layer = compile_layer(self.shape, self.layers[0].in_norm.variance_epsilon, self.dtype,
+                                            weights[0])
+        self.compiled_weights, self.compiled_rows = weights, DENSE_ROWS.get(self.dtype, 6) - 1
 
     @torch.no_grad()
     def _rope_table(self, length: int) -> None:
@@ -356,14 +341,16 @@ class StaticDecoder:
         # where each sequence's tokens go in its cache: [B, n] positions (the compiled layer always writes by index)
         first = upload(torch.tensor(starts), ids.device)  # each sequence's first position
         cols = first[:, None] + torch.arange(n, device=ids.device)
+        # the compiled layer for the few rows of decoding and small trees; more rows, prefills too, stay eager
+        compiled = B * n <= self.compiled_rows
         mask = None
-        if n > 1 or not even:  # each sequence sees its own cache; within the block, causal or its tree's ancestors
+        if n > 1 or not even or compiled:  # each sequence sees its own cache; within the block, causal or its
+            # tree's ancestors (the compiled layer always takes a mask: its width is the attended length)
             inner = allowed if allowed is not None else torch.ones(B, n, n, dtype=torch.bool,
                                                                    device=ids.device).tril()
             mask = attention_mask(first, cols, inner, end, g)
-        # the compiled layer for the few rows of decoding and small trees; more rows, prefills too, stay eager
         x, hidden = self.layers_forward(ids, cos, sin, cache, slots, end, starts[0] if even else None, cols, mask,
-                                        taps, compiled=B * n <= self.compiled_rows)
+                                        taps, compiled=compiled)
         logits = self.lm_head(_rms_norm(x[:, logits_at], self.final_norm))
         return logits, hidden
 
@@ -379,7 +366,7 @@ class StaticDecoder:
         kept = {-1: x} if -1 in taps else {}  # layer -1: the embeddings (HF's hidden_states[0])
         for i, layer in enumerate(self.layers):
             if compiled:
-                x = self.compiled_layer(x, cos, sin, cache.k[i, slots], cache.v[i, slots], end, cols, mask,
+                x = self.compiled_layer(x, cos, sin, cache.k[i, slots], cache.v[i, slots], cols, mask,
                                         *self.compiled_weights[i])
             else:
                 x = decoder_layer(layer, self.shape, x, cos, sin, cache.k[i, slots], cache.v[i, slots], end, at,
