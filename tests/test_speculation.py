@@ -58,7 +58,8 @@ def test_policy_stops_drafting_when_it_does_not_pay_and_probes_again():
             policy.choose([tree])[0]
             if force_gain is not None:
                 policy.gain = force_gain
-        policy.observe([DraftTree.chain(0)], [[0]], 1, 0.005 if drafted else 0.0, 0.01, drafted)
+        # a probe costs five AR steps (a block drafter's catch-up on a slow machine)
+        policy.observe([DraftTree.chain(0)], [[0]], 1, 0.05 if drafted else 0.0, 0.01, drafted)
         return drafted
 
     assert round_()  # no data yet: draft
@@ -74,6 +75,23 @@ def test_policy_stops_drafting_when_it_does_not_pay_and_probes_again():
         assert round_(force_gain=10.0)
     policy.gain = 0.0  # then it stops paying: probes come early again
     assert not round_() and policy.probe_every == first
+
+
+def test_a_cheap_drafter_probes_at_the_minimum_interval():
+    """Probes of a drafter that costs a small share of a step (prompt lookup) never grow further apart."""
+    policy = Policy(costs(100.0), 8)
+    tree = DraftTree.chain(0, [1, 2], probs=[0.5, 0.5])
+    gaps, skipped = [], 0
+    for _ in range(100):
+        drafted = policy.should_draft()
+        if drafted:
+            policy.choose([tree])
+            gaps.append(skipped)
+        skipped = 0 if drafted else skipped + 1
+        # 0.1 ms of drafting against 10 ms a step: a probe costs a hundredth of a token
+        policy.observe([DraftTree.chain(0)], [[0]], 1, 0.0001 if drafted else 0.0, 0.01, drafted)
+    assert policy.rate * policy.draft_s < Policy.COSTLY_PROBE
+    assert gaps[1:] == [Policy.PROBE_EVERY[0]] * (len(gaps) - 1)
 
 
 def test_a_probe_that_pays_resumes_drafting_at_once():
