@@ -120,8 +120,8 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
                    "generic Hugging Face forward (hf, the reference)")
     compile_default = "off" if paired else "auto"
     p.add_argument("--compile", default=compile_default, choices=["auto", "on", "off"],
-                   help="compile the target's decoding layers with torch.compile (inductor, C++ wrapper): auto does "
-                   "where that is fast (a 4-bit GGUF target on the CPU, with a C++ compiler; about 35 s at the first "
+                   help="compile the target's decoding layer ahead of time (torch.export, AOTInductor): auto does "
+                   "where that is fast (a 4-bit GGUF target on the CPU, with a C++ compiler; about 15 s at the first "
                    "start on 2 cores, cached after), on always (on CUDA: the verification forwards as CUDA graphs, "
                    "not yet run on a GPU in the engine), off never (eager: the reference); "
                    f"default {compile_default}")

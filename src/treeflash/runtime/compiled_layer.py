@@ -92,7 +92,8 @@ def _product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -
 
 
 def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple:
-    """Inputs to trace the layer with: 2 sequences of 2 tokens after 4 cached positions, in a cache of 8."""
+    """Inputs to trace the layer with: 2 sequences of 2 tokens after 4 cached positions, in a cache of 8. (Inductor
+    sizes its loops' parallelism by these; one token of one sequence after 255 positions was no faster.)"""
     heads, kv_heads, hd = shape
     B, n, start, capacity = 2, 2, 4, 8
     device = weights[0].device
@@ -107,10 +108,11 @@ def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...
 
 def package_path(shape: tuple[int, int, int], eps: float, dtype: torch.dtype,
                  weights: tuple[torch.Tensor, ...]) -> Path:
-    """Where the package of this layer lives: one per model shape, torch version, CPU capability (the code is
-    built for this machine's vector ISA) and version of this file."""
-    key = repr((torch.__version__, torch.backends.cpu.get_cpu_capability(), shape, eps, str(dtype),
-                [(tuple(w.shape), str(w.dtype)) for w in weights], Path(__file__).read_bytes()))
+    """Where the package of this layer lives: one per model shape, torch version, CPU capability and thread count
+    (the code is built for this machine's vector ISA, its loops split for that many threads) and version of this
+    file."""
+    key = repr((torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), shape, eps,
+                str(dtype), [(tuple(w.shape), str(w.dtype)) for w in weights], Path(__file__).read_bytes()))
     return cache_dir() / "aoti" / f"layer-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt2"
 
 
