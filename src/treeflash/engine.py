@@ -91,8 +91,9 @@ class Sequence:
 
     def add_features(self, hidden: torch.Tensor | None, path: list[int]) -> None:
         """Keep the target's taps of a round's accepted path (hidden: the verified tree's), for the drafter."""
-        if hidden is not None:
-            self.chunks.append(hidden[upload(torch.tensor(path), hidden.device)])
+        if hidden is not None:  # a chain's path (every AR step's) is its first nodes: a view, no gather
+            chain = path == list(range(len(path)))
+            self.chunks.append(hidden[:len(path)] if chain else hidden[upload(torch.tensor(path), hidden.device)])
 
     def extend(self, new: list[int], max_new_tokens: int, eos_ids) -> list[int]:
         """Append a round's new tokens, stopping exactly where sequential decoding would (after an EOS token, or

@@ -7,8 +7,8 @@ products; attention is two fused reductions around a softmax (SDPA's CPU kernel 
 Ahead of time rather than `torch.compile`, because a step calls the layer once per layer (30 calls for SmolLM2):
 dynamo's guards and AOTAutograd's wrappers cost ~25 us a call there, about 12 % of a step, and an AOTInductor
 runner costs almost nothing above its kernels. One graph takes every batch, row count and length (sizes are
-symbolic from 0 up: `backed_size_oblivious`), so it compiles once per model shape (~20 s) and a second start
-loads it in milliseconds.
+symbolic from 0 up: `backed_size_oblivious`), so it compiles once per model shape (~15 s, and as much for the
+batches' package, `SEQUENCES`) and a second start loads them in milliseconds.
 
 The layer takes its weights as plain tensors (nothing frozen into the package) and finds the attended length in
 the mask's width. `static_decoder.decoder_layer` is the eager reference; tests hold this one to it.
@@ -91,11 +91,15 @@ def _product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -
     return y.reshape(*x.shape[:-1], -1)
 
 
-def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple:
-    """Inputs to trace the layer with: 2 sequences of 2 tokens after 4 cached positions, in a cache of 8. (Inductor
-    sizes its loops' parallelism by these; one token of one sequence after 255 positions was no faster.)"""
+def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...], dtype: torch.dtype,
+                   sequences: int) -> tuple:
+    """Inputs to trace the layer with: `sequences` sequences of 2 tokens after 4 cached positions, in a cache of 8.
+    Inductor splits each loop nest among threads by these sizes: traced with 2 sequences, attention split over the
+    batch alone and ran on one thread for one sequence (an AR step 5.5 % slower at 200 positions, 12 % at 800;
+    4-row trees 10 % and 19 %); traced with 4 tokens, steps at 200 positions were 25 % slower (alternating A/B,
+    one process, SmolLM2, 2 cores). Traced with one sequence, the code is wrong for several: `SEQUENCES`."""
     heads, kv_heads, hd = shape
-    B, n, start, capacity = 2, 2, 4, 8
+    B, n, start, capacity = sequences, 2, 4, 8
     device = weights[0].device
     cols = torch.arange(start, start + n, device=device).expand(B, n).contiguous()
     mask = torch.ones(B, 1, heads // kv_heads * n, start + n, dtype=torch.bool, device=device)
@@ -106,21 +110,25 @@ def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...
             torch.zeros(B, kv_heads, capacity, hd, dtype=dtype, device=device), cols, mask, *weights)
 
 
-def package_path(shape: tuple[int, int, int], eps: float, dtype: torch.dtype,
-                 weights: tuple[torch.Tensor, ...]) -> Path:
+# the packages of a layer: traced with one sequence (for forwards of exactly one) and with two (for batches)
+SEQUENCES = (1, 2)
+
+
+def package_path(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
+                 sequences: int) -> Path:
     """Where the package of this layer lives: one per model shape, torch version, CPU capability and thread count
     (the code is built for this machine's vector ISA, its loops split for that many threads) and version of this
     file."""
     key = repr((torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), shape, eps,
-                str(dtype), [(tuple(w.shape), str(w.dtype)) for w in weights], Path(__file__).read_bytes()))
+                str(dtype), [(tuple(w.shape), str(w.dtype)) for w in weights], sequences, Path(__file__).read_bytes()))
     return cache_dir() / "aoti" / f"layer-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt2"
 
 
 def build(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
-          path: Path) -> None:
+          sequences: int, path: Path) -> None:
     """Export the layer and compile it into the package at `path` (written whole, then renamed: two processes
     building at once leave one complete package)."""
-    args = example_inputs(shape, weights, dtype)
+    args = example_inputs(shape, weights, dtype, sequences)
     auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
     dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
             {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}) + (None,) * len(weights)
@@ -138,17 +146,17 @@ def build(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: 
             os.unlink(tmp)
 
 
-def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype,
-                  weights: tuple[torch.Tensor, ...]) -> Callable:
+def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
+                  sequences: int) -> Callable:
     """The compiled layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps`, activations
-    of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights`): loaded from the cache, or
-    built first. Called as `Layer.forward`."""
-    path = package_path(shape, eps, dtype, weights)
+    of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights`), for forwards of one sequence
+    (`sequences` 1) or of any number (2): loaded from the cache, or built first. Called as `Layer.forward`."""
+    path = package_path(shape, eps, dtype, weights, sequences)
     with warnings.catch_warnings():  # torch's own deprecations inside export and the package loader
         warnings.simplefilter("ignore", FutureWarning)
         if not path.exists():
             log.info("compiling the decoder layer ahead of time (once per model and machine): %s", path)
-            build(shape, eps, dtype, weights, path)
+            build(shape, eps, dtype, weights, sequences, path)
         # the runner itself: the package's __call__ re-reads its input spec on every call (~15 us a layer)
         run = torch._inductor.aoti_load_package(str(path)).loader.run
 

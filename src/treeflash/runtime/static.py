@@ -43,7 +43,7 @@ class StaticRuntime:
 
     @property
     def compiled(self) -> bool:
-        return self.decoder.compiled_layer is not None or self.decoder.graphs == "capture"
+        return bool(self.decoder.compiled_layers) or self.decoder.graphs == "capture"
 
     def compile(self, mode: str, device: torch.device) -> None:
         """As Target.compile says; raises ValueError (why) where `on` cannot be honoured."""

@@ -255,7 +255,7 @@ class StaticDecoder:
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._rope_table(capacity)
         self.cache = self.new_cache(1, capacity)
-        self.compiled_layer, self.compiled_weights, self.compiled_rows = None, [], 0
+        self.compiled_layers, self.compiled_weights, self.compiled_rows = {}, [], 0  # by sequences traced
         self.graphs: str | None = None  # "capture": verification forwards as CUDA graphs; "eager": same shapes
 
     def use_graphs(self, capture: bool = True) -> None:
@@ -270,13 +270,13 @@ class StaticDecoder:
         loaded from its cache): those of the 4-bit kernel, from one row to DENSE_ROWS - 1 (the packed dense copy's
         products, prefills included, stay eager). Raises ValueError for a model whose layers have no compiled
         form, or whose activation is not SiLU."""
-        from .compiled_layer import compile_layer, layer_weights  # (it imports this module's helpers)
+        from .compiled_layer import SEQUENCES, compile_layer, layer_weights  # (it imports this module)
 
         if self.config.hidden_act != "silu":
             raise ValueError(f"the compiled layer has SiLU gates only, not {self.config.hidden_act}")
         weights = [layer_weights(layer) for layer in self.layers]
-        self.compiled_layer = compile_layer(self.shape, self.layers[0].in_norm.variance_epsilon, self.dtype,
-                                            weights[0])
+        eps = self.layers[0].in_norm.variance_epsilon
+        self.compiled_layers = {b: compile_layer(self.shape, eps, self.dtype, weights[0], b) for b in SEQUENCES}
         self.compiled_weights, self.compiled_rows = weights, DENSE_ROWS.get(self.dtype, 6) - 1
 
     @torch.no_grad()
@@ -344,8 +344,10 @@ class StaticDecoder:
         # the compiled layer for the few rows of decoding and small trees; more rows, prefills too, stay eager
         compiled = B * n <= self.compiled_rows
         mask = None
-        if n > 1 or not even or compiled:  # each sequence sees its own cache; within the block, causal or its
-            # tree's ancestors (the compiled layer always takes a mask: its width is the attended length)
+        if n == 1 and even and compiled:  # (the compiled layer always takes a mask: its width is the attended length)
+            mask = torch.ones(B, 1, g, end, dtype=torch.bool, device=ids.device)  # one token sees all its cache
+        elif n > 1 or not even or compiled:  # each sequence sees its own cache; within the block, causal or its
+            # tree's ancestors
             inner = allowed if allowed is not None else torch.ones(B, n, n, dtype=torch.bool,
                                                                    device=ids.device).tril()
             mask = attention_mask(first, cols, inner, end, g)
@@ -364,10 +366,11 @@ class StaticDecoder:
             raise IndexError(f"taps {taps} name layers the model does not have (-1..{last})")
         x = self.embed(ids)
         kept = {-1: x} if -1 in taps else {}  # layer -1: the embeddings (HF's hidden_states[0])
+        compiled_layer = self.compiled_layers[min(len(ids), 2)] if compiled else None  # one sequence, or several
         for i, layer in enumerate(self.layers):
-            if compiled:
-                x = self.compiled_layer(x, cos, sin, cache.k[i, slots], cache.v[i, slots], cols, mask,
-                                        *self.compiled_weights[i])
+            if compiled_layer:
+                x = compiled_layer(x, cos, sin, cache.k[i, slots], cache.v[i, slots], cols, mask,
+                                   *self.compiled_weights[i])
             else:
                 x = decoder_layer(layer, self.shape, x, cos, sin, cache.k[i, slots], cache.v[i, slots], end, at,
                                   cols, mask)
