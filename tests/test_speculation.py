@@ -7,7 +7,7 @@ import pytest
 
 from treeflash import DraftTree, generate
 from treeflash.drafters import block_drafter, make_drafter
-from treeflash.speculation import Calibration, Policy, VerifyCosts
+from treeflash.speculation import BatchCosts, Calibration, Policy, VerifyCosts
 
 from conftest import OracleTreeDrafter, tiny_target
 from test_dflash import tiny_drafter
@@ -239,3 +239,16 @@ def test_budget_is_checked(tiny):
     for bad in (0, "big", -3):
         with pytest.raises(ValueError, match="budget"):
             generate(tiny, make_drafter("pld"), [1, 2, 3], 4, budget=bad)
+
+
+def test_cost_tables_equal_the_costs_one_by_one():
+    """`table` (one walk, what the policy reads every round) against the costs asked one size at a time, inside,
+    between and beyond the measured sizes and batches."""
+    one, two = costs(1.0), costs(3.0, base_ms=12.0)
+    for table in (one, BatchCosts({1: one}), BatchCosts({1: one, 4: two})):
+        for batch in (1, 2, 4, 7):
+            if isinstance(table, VerifyCosts):
+                want, got = [table(n) for n in range(1, 80)], table.table(79)
+            else:
+                want, got = [table(n, batch) for n in range(1, 80)], table.table(79, batch)
+            assert got == pytest.approx(want, rel=1e-12)

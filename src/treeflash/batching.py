@@ -31,7 +31,7 @@ from .engine import AUTO, GenerationResult, Sequence, check_budget, run_round
 from .runtime import Target, TargetError, TargetOutput
 from .runtime.target import PREFILL_CHUNK, prefill_in_pieces
 from .runtime.transfer import upload
-from .speculation import BatchCosts, Policy, VerifyCosts, policy_for
+from .speculation import COST_CONTEXT, BatchCosts, Policy, VerifyCosts, policy_for
 from .tree import DraftTree
 from .verify import Sampling
 
@@ -261,7 +261,7 @@ class BatchEngine:
         return results  # type: ignore[return-value]
 
 
-def batch_costs(target: Target, max_batch: int, max_tokens: int, context: int = 128) -> BatchCosts:
+def batch_costs(target: Target, max_batch: int, max_tokens: int, context: int = COST_CONTEXT) -> BatchCosts:
     """Verification costs of the target by batch size (powers of two up to `max_batch`, and it), each timed on
     dummy sequences in a cache of their own (the batch in flight is not touched)."""
     sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})

@@ -29,6 +29,10 @@ from .clock import now
 from .tree import DraftTree
 
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # verified tokens (root included)
+# the dummy context that verification costs are measured on: about where short prompts decode. A tree's attention
+# grows with its rows times the context, so costs taken at 128 made trees of 3-4 nodes look cheaper than they are
+# there (prompt lookup on GSM8K: 1.15x ar with them, 1.20x with these, against 1.26x at a fixed budget of 2)
+COST_CONTEXT = 256
 
 
 class VerifyCosts:
@@ -40,11 +44,8 @@ class VerifyCosts:
 
     @classmethod
     @torch.inference_mode()
-    def measure(cls, target, max_tokens: int, context: int = 256, repeats: int = 3) -> "VerifyCosts":
-        """Time verifications of random trees on a dummy context (it starts a sequence: call before prefill). 256
-        positions, about where short prompts decode: a tree's attention grows with its rows times the context, so
-        costs taken at 128 made trees of 3-4 nodes look cheaper than they are there (prompt lookup on GSM8K:
-        1.15x ar with them, 1.20x with these, against 1.26x at a fixed budget of 2)."""
+    def measure(cls, target, max_tokens: int, context: int = COST_CONTEXT, repeats: int = 3) -> "VerifyCosts":
+        """Time verifications of random trees on a dummy context (it starts a sequence: call before prefill)."""
         vocab = target.config.vocab_size
         target.prefill(torch.randint(vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist())
 
@@ -80,6 +81,22 @@ class VerifyCosts:
         w = (n - self.sizes[lo]) / (self.sizes[hi] - self.sizes[lo])
         return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
 
+    def table(self, up_to: int) -> list[float]:
+        """[self(n) for n in 1..up_to], in one walk over the buckets (the policy asks every round)."""
+        out, i, sizes, seconds = [], 0, self.sizes, self.seconds
+        for n in range(1, up_to + 1):
+            while i < len(sizes) and sizes[i] < n:
+                i += 1
+            if i < len(sizes) and sizes[i] == n:
+                out.append(seconds[i])
+            elif i == 0 or i == len(sizes):  # outside the measured range: proportional to the nearest bucket
+                j = min(i, len(sizes) - 1)
+                out.append(seconds[j] * n / sizes[j])
+            else:
+                w = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+                out.append((1 - w) * seconds[i - 1] + w * seconds[i])
+        return out
+
     def observe(self, n: int, seconds: float, rate: float = 0.1) -> None:
         """Move the nearest bucket towards an observed verification of n tokens (scaled to the bucket's size)."""
         i = min(range(len(self.sizes)), key=lambda j: abs(self.sizes[j] - n))
@@ -104,6 +121,17 @@ class BatchCosts:
             return self.tables[lo](n) * batch / self.batches[lo]
         w = (batch - self.batches[lo]) / (self.batches[hi] - self.batches[lo])
         return (1 - w) * self.tables[lo](n) + w * self.tables[hi](n)
+
+    def table(self, up_to: int, batch: int = 1) -> list[float]:
+        """[self(n, batch) for n in 1..up_to]."""
+        i = bisect.bisect_left(self.batches, batch)
+        if i < len(self.batches) and self.batches[i] == batch:
+            return self.tables[i].table(up_to)
+        lo, hi = max(i - 1, 0), min(i, len(self.batches) - 1)
+        if lo == hi:
+            return [c * batch / self.batches[lo] for c in self.tables[lo].table(up_to)]
+        w = (batch - self.batches[lo]) / (self.batches[hi] - self.batches[lo])
+        return [(1 - w) * a + w * b for a, b in zip(self.tables[lo].table(up_to), self.tables[hi].table(up_to))]
 
     def observe(self, n: int, seconds: float, batch: int = 1) -> None:
         """Refresh the table of the nearest measured batch size (scaled to it)."""
@@ -196,15 +224,19 @@ class Policy:
         """The prefixes of `trees` (one per sequence of a batch, verified in one forward, padded to the largest) that
         maximise E[committed tokens] - λ x verification time. A batch shares one size n (each tree cut to n): the
         forward's cost follows its largest tree."""
+        # in Python floats: a round's trees are small, and a dozen tensor ops cost more than the arithmetic
         size = max(t.size for t in trees)
-        expected = torch.zeros(size + 1)  # E(n) for n = 0..size, summed over the batch
+        expected = [0.0] * (size + 1)  # E(n) for n = 0..size, summed over the batch
         for tree in trees:
-            values = torch.cat([torch.ones(1), 1 + self.calibration.node_values(tree).cumsum(0)])
-            expected += torch.cat([values, values[-1].expand(size - tree.size)])
-        cost = torch.tensor([self.costs(n + 1, len(trees)) for n in range(size + 1)])
-        net = expected - self.rate * cost
-        n = int(net.argmax())
-        gain = float(net[n] - net[0])
+            values = [1.0]
+            for v in self.calibration.node_values(tree).tolist():
+                values.append(values[-1] + v)
+            values += [values[-1]] * (size - tree.size)
+            expected = [e + v for e, v in zip(expected, values)]
+        rate = self.rate
+        net = [e - rate * c for e, c in zip(expected, self.costs.table(size + 1, len(trees)))]
+        n = max(range(size + 1), key=net.__getitem__)  # the first of equal maxima, as argmax
+        gain = net[n] - net[0]
         # a probe after AR rounds judges the text as it is now: the average of the drafted rounds is stale
         self.gain = gain if self.skipped else _ema(self.gain, gain)
         return [tree.prefix(min(n, tree.size)) for tree in trees]
