@@ -76,3 +76,25 @@ def test_prompt_lookup_votes_rank_its_tree():
     weak = vote_tree(7, paths, budget=8, strengths=[1.0, 1 / 3, 1 / 3])
     assert weak.tokens == tree.tokens
     assert weak.probs == pytest.approx((1.0, 2 / 9, 1 / 3, 1 / 3, 1.0))
+
+
+def reference_continuations(tokens, max_ngram=3, min_ngram=1, max_depth=8, max_matches=8):
+    """Prompt lookup's matches, plainly: every n-gram position compared, longest n first, most recent first."""
+    paths = []
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if len(tokens) <= n:
+            continue
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i:i + n] == tokens[-n:]:
+                paths.append((n, tokens[i + n:i + n + max_depth]))
+                if len(paths) == max_matches:
+                    return paths
+    return paths
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=80), st.integers(1, 4), st.integers(1, 12))
+def test_prompt_lookup_matches_equal_the_plain_search(tokens, max_ngram, max_matches):
+    from treeflash.drafters.pld import PromptLookupDrafter
+
+    drafter = PromptLookupDrafter(max_ngram=max_ngram, max_depth=5, max_matches=max_matches)
+    assert drafter.continuations(tokens) == reference_continuations(tokens, max_ngram, 1, 5, max_matches)

@@ -35,13 +35,17 @@ class PromptLookupDrafter:
     def continuations(self, tokens: list[int]) -> list[tuple[int, list[int]]]:
         """(n, the tokens that followed) for each earlier occurrence of the last n tokens, longest n first."""
         paths: list[tuple[int, list[int]]] = []
+        # where an occurrence could end: the earlier positions of the last token, most recent first (the key itself
+        # excluded); one pass over the context, then slices compared at those positions only
+        last = tokens[-1]
+        ends = [j for j in range(len(tokens) - 2, -1, -1) if tokens[j] == last]
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) <= n:
                 continue
             key = tokens[-n:]
-            for i in range(len(tokens) - n - 1, -1, -1):  # most recent first; the key itself is excluded
-                if tokens[i:i + n] == key:
-                    paths.append((n, tokens[i + n:i + n + self.max_depth]))
+            for j in ends:
+                if j >= n - 1 and tokens[j - n + 1:j + 1] == key:
+                    paths.append((n, tokens[j + 1:j + 1 + self.max_depth]))
                     if len(paths) == self.max_matches:
                         return paths
         return paths
