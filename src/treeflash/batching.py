@@ -266,6 +266,7 @@ def batch_costs(target: Target, max_batch: int, max_tokens: int, context: int = 
     dummy sequences in a cache of their own (the batch in flight is not touched)."""
     sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
     vocab = target.config.vocab_size
+    context = min(context, target.context_length // 2)  # (a short-context model keeps room for the trees)
     tables = {}
     for b in sizes:
         scratch = BatchTarget(target, b, capacity=context + 2 * max_tokens)

@@ -47,6 +47,7 @@ class VerifyCosts:
     def measure(cls, target, max_tokens: int, context: int = COST_CONTEXT, repeats: int = 3) -> "VerifyCosts":
         """Time verifications of random trees on a dummy context (it starts a sequence: call before prefill)."""
         vocab = target.config.vocab_size
+        context = min(context, target.context_length // 2)  # (a short-context model keeps room for the trees)
         target.prefill(torch.randint(vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist())
 
         def verify(tree: DraftTree) -> None:
