@@ -247,3 +247,19 @@ def test_available_methods_follow_the_drafter(tmp_path):
     assert available_methods("smollm2-135m-instruct", str(tmp_path / "dflash")) == ["ar", "pld", "dflash", "ddtree"]
     assert "treeflash" in available_methods("smollm2-135m-instruct", str(tmp_path / "treeflash"))
     assert "tfm" in available_methods("smollm2-135m-instruct", str(tmp_path / "dflash"), weaver="w")
+
+
+def test_the_default_method_is_the_fastest_measured_on_the_device(tmp_path):
+    """--method left out: prompt lookup on a CPU (block drafters do not pay there, docs/results/cpu-aoti), the
+    shipped drafters' best method on a GPU, and what the named drafter allows."""
+    from argparse import Namespace
+
+    from treeflash.cli.decode import _choose_method
+
+    def chosen(device, drafter=None):
+        args = Namespace(method=None, target="smollm2-135m-instruct", drafter=drafter, weaver=None, device=device)
+        _choose_method(args)
+        return args.method
+    assert chosen("cpu") == "pld"
+    assert chosen("cuda") == "treeflash"
+    assert chosen("cuda:0", drafter=str(tmp_path / "plain")) == "ddtree"  # a drafter without a TreeFlash AR layer

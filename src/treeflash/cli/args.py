@@ -155,7 +155,8 @@ def build_parser() -> Parser:
     g = sub.add_parser("generate", help="generate text for one prompt, streamed")
     g.add_argument("prompt")
     g.add_argument("--method", default=None, choices=list(METHODS),
-                   help="decoding method (default: treeflash with the shipped drafter, else ddtree, else pld)")
+                   help="decoding method (default: pld on a CPU; on a GPU treeflash with the shipped drafter, else "
+                   "ddtree, else pld)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_decoding_args(g)
 
@@ -164,7 +165,8 @@ def build_parser() -> Parser:
                         "--max-new-tokens, --default-temperature (1, as with OpenAI; 0: greedy), --top-p, and a seed "
                         "drawn from --seed.")
     sv.add_argument("--method", default=None, choices=list(METHODS),
-                    help="decoding method (default: treeflash with the shipped drafter, else ddtree, else pld)")
+                    help="decoding method (default: pld on a CPU; on a GPU treeflash with the shipped drafter, else "
+                    "ddtree, else pld)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="clients must send Authorization: Bearer KEY "
