@@ -33,7 +33,7 @@ MUTATIONS = {
                    "return TargetOutput(logits.float() * (1.05 if logits.dtype == torch.bfloat16 else 1), hidden)",
                    ["tests/test_target.py", "-k", "bf16"]),
     "choose-full": ("4 Policy.choose against brute force", "src/treeflash/speculation.py",
-                    "n = int(net.argmax())", "n = size",
+                    "n = max(range(size + 1), key=net.__getitem__)", "n = size",
                     ["tests/test_speculation.py", "-k", "brute_force"]),
     "no-catch-up": ("4 trees verified after the drafter's catch-up", "src/treeflash/engine.py",
                     "tree = self.drafter.propose(seq.tokens, seq.features, budget)",
