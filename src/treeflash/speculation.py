@@ -73,7 +73,19 @@ class VerifyCosts:
 
     def __call__(self, n: int) -> float:
         """Predicted seconds to verify n tokens."""
-        i = bisect.bisect_left(self.sizes, n)
+        return self._at(n, bisect.bisect_left(self.sizes, n))
+
+    def table(self, up_to: int) -> list[float]:
+        """[self(n) for n in 1..up_to], in one walk over the buckets (the policy asks every round)."""
+        out, i = [], 0
+        for n in range(1, up_to + 1):
+            while i < len(self.sizes) and self.sizes[i] < n:
+                i += 1
+            out.append(self._at(n, i))
+        return out
+
+    def _at(self, n: int, i: int) -> float:
+        """self(n), given i = bisect_left(self.sizes, n)."""
         if i < len(self.sizes) and self.sizes[i] == n:
             return self.seconds[i]
         lo, hi = max(i - 1, 0), min(i, len(self.sizes) - 1)
@@ -81,22 +93,6 @@ class VerifyCosts:
             return self.seconds[lo] * n / self.sizes[lo]
         w = (n - self.sizes[lo]) / (self.sizes[hi] - self.sizes[lo])
         return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
-
-    def table(self, up_to: int) -> list[float]:
-        """[self(n) for n in 1..up_to], in one walk over the buckets (the policy asks every round)."""
-        out, i, sizes, seconds = [], 0, self.sizes, self.seconds
-        for n in range(1, up_to + 1):
-            while i < len(sizes) and sizes[i] < n:
-                i += 1
-            if i < len(sizes) and sizes[i] == n:
-                out.append(seconds[i])
-            elif i == 0 or i == len(sizes):  # outside the measured range: proportional to the nearest bucket
-                j = min(i, len(sizes) - 1)
-                out.append(seconds[j] * n / sizes[j])
-            else:
-                w = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-                out.append((1 - w) * seconds[i - 1] + w * seconds[i])
-        return out
 
     def observe(self, n: int, seconds: float, rate: float = 0.1) -> None:
         """Move the nearest bucket towards an observed verification of n tokens (scaled to the bucket's size)."""
@@ -114,25 +110,24 @@ class BatchCosts:
         self.tables = [tables[b] for b in self.batches]
 
     def __call__(self, n: int, batch: int = 1) -> float:
-        i = bisect.bisect_left(self.batches, batch)
-        if i < len(self.batches) and self.batches[i] == batch:
-            return self.tables[i](n)
-        lo, hi = max(i - 1, 0), min(i, len(self.batches) - 1)
-        if lo == hi:
-            return self.tables[lo](n) * batch / self.batches[lo]
-        w = (batch - self.batches[lo]) / (self.batches[hi] - self.batches[lo])
-        return (1 - w) * self.tables[lo](n) + w * self.tables[hi](n)
+        return sum(table(n) * a / b for table, a, b in self._blend(batch))
 
     def table(self, up_to: int, batch: int = 1) -> list[float]:
         """[self(n, batch) for n in 1..up_to]."""
+        parts = [[c * a / b for c in table.table(up_to)] for table, a, b in self._blend(batch)]
+        return [sum(costs) for costs in zip(*parts)]
+
+    def _blend(self, batch: int) -> list[tuple[VerifyCosts, float, float]]:
+        """The measured tables whose costs make `batch`'s, each times a / b: its own, two around it, or the
+        nearest one scaled."""
         i = bisect.bisect_left(self.batches, batch)
         if i < len(self.batches) and self.batches[i] == batch:
-            return self.tables[i].table(up_to)
+            return [(self.tables[i], 1.0, 1.0)]
         lo, hi = max(i - 1, 0), min(i, len(self.batches) - 1)
         if lo == hi:
-            return [c * batch / self.batches[lo] for c in self.tables[lo].table(up_to)]
+            return [(self.tables[lo], batch, self.batches[lo])]
         w = (batch - self.batches[lo]) / (self.batches[hi] - self.batches[lo])
-        return [(1 - w) * a + w * b for a, b in zip(self.tables[lo].table(up_to), self.tables[hi].table(up_to))]
+        return [(self.tables[lo], 1 - w, 1.0), (self.tables[hi], w, 1.0)]
 
     def observe(self, n: int, seconds: float, batch: int = 1) -> None:
         """Refresh the table of the nearest measured batch size (scaled to it)."""
