@@ -31,7 +31,7 @@ from .engine import AUTO, GenerationResult, Sequence, check_budget, run_round
 from .runtime import Target, TargetError, TargetOutput
 from .runtime.target import PREFILL_CHUNK, prefill_in_pieces
 from .runtime.transfer import upload
-from .speculation import COST_CONTEXT, BatchCosts, Policy, VerifyCosts, policy_for
+from .speculation import COST_CONTEXT, BatchCosts, Policy, VerifyCosts, cost_context, policy_for
 from .tree import DraftTree
 from .verify import Sampling
 
@@ -265,8 +265,7 @@ def batch_costs(target: Target, max_batch: int, max_tokens: int, context: int = 
     """Verification costs of the target by batch size (powers of two up to `max_batch`, and it), each timed on
     dummy sequences in a cache of their own (the batch in flight is not touched)."""
     sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
-    vocab = target.config.vocab_size
-    context = min(context, target.context_length // 2)  # (a short-context model keeps room for the trees)
+    vocab, context = target.config.vocab_size, cost_context(target, context)
     tables = {}
     for b in sizes:
         scratch = BatchTarget(target, b, capacity=context + 2 * max_tokens)

@@ -35,6 +35,12 @@ BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # verif
 COST_CONTEXT = 256
 
 
+def cost_context(target, context: int = COST_CONTEXT) -> int:
+    """The dummy context to time verifications on: at most half the target's (a short-context model keeps room
+    for the trees)."""
+    return min(context, target.context_length // 2)
+
+
 class VerifyCosts:
     """Seconds per verification of n tokens: a few buckets, linear in between, refreshed by every round."""
 
@@ -46,8 +52,7 @@ class VerifyCosts:
     @torch.inference_mode()
     def measure(cls, target, max_tokens: int, context: int = COST_CONTEXT, repeats: int = 3) -> "VerifyCosts":
         """Time verifications of random trees on a dummy context (it starts a sequence: call before prefill)."""
-        vocab = target.config.vocab_size
-        context = min(context, target.context_length // 2)  # (a short-context model keeps room for the trees)
+        vocab, context = target.config.vocab_size, cost_context(target, context)
         target.prefill(torch.randint(vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist())
 
         def verify(tree: DraftTree) -> None:
