@@ -359,7 +359,7 @@ def test_regen_samples_at_a_temperature_and_training_reads_both(tmp_path, tiny_f
     assert len(regen(tmp_path / "store", "--temperature", "1", "--seed", "3")) == 8  # resumed: nothing new
 
 
-def test_continuous_regen_gives_the_padded_hf_batches_answers(tmp_path, tiny_folder):  # noqa: F811
+def test_continuous_regen_gives_the_padded_hf_batches_answers(tmp_path, tiny_folder, monkeypatch):  # noqa: F811
     """The fast path (continuous batching on the static runtime) against its reference (HF `generate` on left-padded
     batches): the same greedy answers in fp32; and a resumed sampling run draws what a whole one does."""
     from treeflash.runtime import Target
@@ -379,6 +379,16 @@ def test_continuous_regen_gives_the_padded_hf_batches_answers(tmp_path, tiny_fol
     regenerate(target, texts, resumed, STORE_META, 10, 4, seed=5, temperature=1.0)  # ... and resumed
     assert sorted((a.id, a.response_ids) for a in whole.answers()) == \
         sorted((a.id, a.response_ids) for a in resumed.answers())
+
+    # Two processes sharing a store, the second starting after the first wrote its share (the race CI once hit):
+    # every prompt answered once, as one process answers them.
+    shared = AnswerStore(tmp_path / "shared")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        regenerate(target, texts, shared, STORE_META, 10, 2, seed=5, temperature=1.0, shard_size=1)
+    assert sorted((a.id, a.response_ids) for a in shared.answers()) == \
+        sorted((a.id, a.response_ids) for a in whole.answers())
 
 
 def test_regen_refuses_a_missing_prompt_set(tmp_path, capsys):

@@ -89,11 +89,14 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStor
 
     Greedy answers (temperature 0) only ever show a drafter previous tokens that are the target's argmax; sampled
     ones (temperature 1) also show it the other tokens that tree branches and T > 0 decoding condition on."""
-    skip = store.done(temperature, seed)
-    todo = [(i, p) for i, p in prompts if i not in skip]
+    todo = list(prompts)
     random.Random(seed).shuffle(todo)  # sources mixed, so a partial run is still a balanced sample
     rank, world = process_share()
-    todo = todo[rank::world]  # under torchrun: each process answers its share, into the same store
+    # Under torchrun each process answers its share into the same store. The shares are cut before the store is
+    # read: a process that reads it after another one's first shard would otherwise cut other shares and drop ids.
+    share = todo[rank::world]
+    skip = store.done(temperature, seed)
+    todo = [(i, p) for i, p in share if i not in skip]
     encoded = [(i, target.encode_prompt(p)) for i, p in todo]
     encoded = [(i, ids) for i, ids in encoded if len(ids) <= max_prompt_tokens]
     too_long = len(todo) - len(encoded)
@@ -119,7 +122,7 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStor
         flush()
     bar.close()
     seconds = time.time() - started
-    return {"prompts": len(encoded), "skipped_done": len(skip), "skipped_too_long": too_long, "new_tokens": tokens,
+    return {"prompts": len(encoded), "skipped_done": len(share) - len(todo), "skipped_too_long": too_long, "new_tokens": tokens,
             "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9)}
 
 
