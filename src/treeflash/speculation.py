@@ -11,7 +11,7 @@ Every round, `Policy` values a tree by its calibrated expected committed tokens 
 the engine achieves (the renewal-reward rule: a round is worth its tokens minus what its time would have earned at
 the current rate). Before drafting it also asks whether drafting pays at all: when the recent rounds' predicted
 gain over a plain AR step falls short of λ x the drafting time, it runs AR steps and skips the drafter, probing
-again every few rounds (the drafter's context catches up at its next call).
+again as often as what probes lose allows (the drafter's context catches up at its next call).
 
 Lossless whatever it decides: the tree depends only on the drafter and on past rounds, never on this round's
 target draws, and acceptance is the same exact rule on whatever tree is verified.
@@ -187,18 +187,17 @@ class Calibration:
 class Policy:
     """The per-(target, drafter) state of cost-aware speculation; `max_budget` caps the trees it drafts."""
 
-    # AR rounds before drafting again to check. The interval grows 4x each time drafting stops paying after a short
-    # stretch (a probe that misled), and starts again from the minimum after a stretch at least as long as it: a
-    # text that became easy is found within a few tokens, one that never pays costs a probe every 256 rounds. On
-    # 4-bit targets a probe (the drafter's catch-up, a draft, a verify) costs one to two AR steps more than it
-    # gains: growing 4x rather than 2x reaches the cap after 4 probes instead of 7 (GSM8K T = 0, where drafting
-    # never pays: 8-14 probes in 1,170 rounds were 1 % of the time)
-    PROBE_EVERY = (4, 256)
-    PROBE_GROWTH = 4
-    # ... but only for drafters whose probe costs this share of a token's time or more: a probe of prompt lookup
-    # (~0.3 ms against a 5.5 ms step) costs little, and its drafting stretches are short by nature (a copy ends),
-    # so a growing interval only missed the next copy (GSM8K T = 0: pld auto 1.07x ar against 1.21x at budget 2)
-    COSTLY_PROBE = 0.25
+    # Probes are held to account. `credit` is the time drafted rounds saved against the plain AR steps that would
+    # have committed their tokens, plus an allowance of PROBE_SHARE of every round's time; a probe (drafting that is
+    # not predicted to pay) runs only once the credit covers what probes lose. So a drafter that never pays costs
+    # at most PROBE_SHARE of the time against plain decoding, and one that pays earns its own probes. A probe of prompt lookup (~0.3 ms against a 5.5 ms step)
+    # comes every few rounds; a block drafter's (its catch-up, a draft, a verify: ~17 ms) every few hundred
+    # (HumanEval T = 0: treeflash auto 0.91x ar, probing by a fixed interval that grew 4x per misleading probe)
+    PROBE_SHARE = 0.01
+    PROBE_GAP = 4  # AR rounds at least between probes, however rich the credit
+    # AR steps' time: a long paying stretch funds a few probes after it, not a long losing one; and drafting that
+    # is predicted to pay stops when it has lost this much (a stale calibration), until the allowance repays it
+    CREDIT_CAP = 16
 
     def __init__(self, costs: VerifyCosts | BatchCosts, max_budget: int):
         self.costs = costs if isinstance(costs, BatchCosts) else BatchCosts({1: costs})
@@ -208,8 +207,8 @@ class Policy:
         self.gain: float | None = None  # EMA of a drafted round's predicted gain over an AR step, in tokens
         self.tokens, self.seconds = 1.0, self.costs(1)  # EMAs whose ratio is λ, the achieved tokens per second
         self.skipped = 0  # AR rounds since the last drafting round
-        self.stretch = 0  # drafting rounds in a row
-        self.probe_every = self.PROBE_EVERY[0]
+        self.credit = 0.0  # seconds (see above)
+        self.probe_loss: float | None = None  # EMA of the seconds a probe lost against AR steps
 
     @property
     def rate(self) -> float:
@@ -218,8 +217,10 @@ class Policy:
     def should_draft(self) -> bool:
         if self.gain is None or self.draft_s is None:
             return True
-        # drafting pays, or a probe: the text may have become easier to draft
-        return self.gain > self.rate * self.draft_s or self.skipped >= self.probe_every
+        if self.gain > self.rate * self.draft_s:  # predicted to pay: drafts while its losses stay under the cap (a
+            return self.credit > -self.CREDIT_CAP * self.costs(1)  # probe's catch-up; a calibration gone stale)
+        # a probe: the text may have become easier to draft
+        return self.skipped >= self.PROBE_GAP and self.credit >= max(self.probe_loss or 0.0, 0.0)
 
     def choose(self, trees: list[DraftTree]) -> list[DraftTree]:
         """The prefixes of `trees` (one per sequence of a batch, verified in one forward, padded to the largest) that
@@ -245,24 +246,26 @@ class Policy:
     def observe(self, trees: list[DraftTree], paths: list[list[int]], committed: int, draft_s: float,
                 verify_s: float, drafted: bool) -> None:
         """One round of the batch: its trees, their accepted paths, the tokens committed in all, its times."""
-        self.costs.observe(max(len(t) for t in trees), verify_s, len(trees))
+        batch = len(trees)
+        self.costs.observe(max(len(t) for t in trees), verify_s, batch)
         for tree, path in zip(trees, paths):
             self.calibration.observe(tree, path)
+        step = self.costs(1, batch)  # a plain AR step of the batch, refreshed by every AR round
         if drafted:
+            if self.draft_s is not None:  # the first drafting round pays for lazy initialisation: not charged
+                saved = committed / batch * step - (draft_s + verify_s)
+                self.credit += saved
+                if self.skipped:
+                    self.probe_loss = _ema(self.probe_loss, -saved)
             if not self.skipped or self.draft_s is None:
                 self.draft_s = _ema(self.draft_s, draft_s)
             else:  # a probe's time includes the context's catch-up after the AR rounds: an upper bound of the
                 # drafting cost, which a stale average (a cold first call, a slower minute) must not exceed
                 self.draft_s = min(self.draft_s, draft_s)
-            self.skipped, self.stretch = 0, self.stretch + 1
+            self.skipped = 0
         else:
-            if self.stretch:  # drafting just stopped paying: was it a real stretch or a misleading probe?
-                short = self.stretch < self.probe_every
-                costly = self.draft_s is not None and self.rate * self.draft_s >= self.COSTLY_PROBE
-                first, cap = self.PROBE_EVERY
-                self.probe_every = min(self.PROBE_GROWTH * self.probe_every, cap) if short and costly else first
-                self.stretch = 0
             self.skipped += 1
+        self.credit = min(self.credit + self.PROBE_SHARE * (draft_s + verify_s), self.CREDIT_CAP * step)
         self.tokens = _ema(self.tokens, committed)
         self.seconds = _ema(self.seconds, draft_s + verify_s)
 
