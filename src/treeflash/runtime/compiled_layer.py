@@ -78,7 +78,9 @@ class Layer(torch.nn.Module):
         # into its SDPA call (which costs more than the whole attention at decoding's sizes)
         scores = (q.float()[:, :, :, None] * k_cache[:, :, None, :end].float()).sum(-1) * hd ** -0.5
         scores = scores.masked_fill(~mask, float("-inf"))
-        out = (scores.softmax(-1)[..., None] * v_cache[:, :, None, :end].float()).sum(-2).to(x.dtype)
+        # the softmax's division after the weighted sum: once a row, not once a position (3-5 % of a 2-4 row layer)
+        e = (scores - scores.amax(-1, keepdim=True)).exp()
+        out = ((e[..., None] * v_cache[:, :, None, :end].float()).sum(-2) / e.sum(-1, keepdim=True)).to(x.dtype)
         out = out.reshape(B, heads, n, hd).transpose(1, 2).reshape(B, n, qd)
         x = x + _product(out, o, o_sz)
         gate, up = _product(F.rms_norm(x, post_norm.shape, post_norm, self.eps), gate_up, gate_up_sz).chunk(2, -1)
@@ -139,7 +141,11 @@ def build(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: 
     fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
     os.close(fd)
     try:
-        torch._inductor.aoti_compile_and_package(program, package_path=tmp)
+        # realize the rotated q|k once: below inductor's default threshold (4 reads) q's rotation was inlined into
+        # the scores' reduction and computed again for every attended position (a 2-4 row layer 5-10 % slower at
+        # 256 positions, 10-15 % at 512)
+        with torch._inductor.config.patch(realize_reads_threshold=3):
+            torch._inductor.aoti_compile_and_package(program, package_path=tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
