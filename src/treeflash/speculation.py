@@ -190,9 +190,10 @@ class Policy:
     # Probes are held to account. `credit` is the time drafted rounds saved against the plain AR steps that would
     # have committed their tokens, plus an allowance of PROBE_SHARE of every round's time; a probe (drafting that is
     # not predicted to pay) runs only once the credit covers what probes lose. So a drafter that never pays costs
-    # at most PROBE_SHARE of the time against plain decoding, and one that pays earns its own probes. A probe of prompt lookup (~0.3 ms against a 5.5 ms step)
-    # comes every few rounds; a block drafter's (its catch-up, a draft, a verify: ~17 ms) every few hundred
-    # (HumanEval T = 0: treeflash auto 0.91x ar, probing by a fixed interval that grew 4x per misleading probe)
+    # at most PROBE_SHARE of the time against plain decoding, and one that pays earns its own probes. A probe of
+    # prompt lookup (~0.3 ms against a 5.5 ms step) comes every few rounds; a block drafter's (its catch-up, a
+    # draft, a verify: ~17 ms) every few hundred (HumanEval T = 0: treeflash auto 0.91x ar, probing at a fixed
+    # interval that grew 4x per misleading probe; 0.98-0.99x with the credit)
     PROBE_SHARE = 0.01
     PROBE_GAP = 4  # AR rounds at least between probes, however rich the credit
     # AR steps' time: a long paying stretch funds a few probes after it, not a long losing one; and drafting that
@@ -208,6 +209,7 @@ class Policy:
         self.tokens, self.seconds = 1.0, self.costs(1)  # EMAs whose ratio is λ, the achieved tokens per second
         self.skipped = 0  # AR rounds since the last drafting round
         self.credit = 0.0  # seconds (see above)
+        self.step = self.costs(1)  # seconds of a plain AR step (of the last round's batch)
         self.probe_loss: float | None = None  # EMA of the seconds a probe lost against AR steps
 
     @property
@@ -218,7 +220,7 @@ class Policy:
         if self.gain is None or self.draft_s is None:
             return True
         if self.gain > self.rate * self.draft_s:  # predicted to pay: drafts while its losses stay under the cap (a
-            return self.credit > -self.CREDIT_CAP * self.costs(1)  # probe's catch-up; a calibration gone stale)
+            return self.credit > -self.CREDIT_CAP * self.step  # probe's catch-up; a calibration gone stale)
         # a probe: the text may have become easier to draft
         return self.skipped >= self.PROBE_GAP and self.credit >= max(self.probe_loss or 0.0, 0.0)
 
@@ -250,10 +252,10 @@ class Policy:
         self.costs.observe(max(len(t) for t in trees), verify_s, batch)
         for tree, path in zip(trees, paths):
             self.calibration.observe(tree, path)
-        step = self.costs(1, batch)  # a plain AR step of the batch, refreshed by every AR round
+        self.step = self.costs(1, batch)  # refreshed by every AR round
         if drafted:
             if self.draft_s is not None:  # the first drafting round pays for lazy initialisation: not charged
-                saved = committed / batch * step - (draft_s + verify_s)
+                saved = committed / batch * self.step - (draft_s + verify_s)
                 self.credit += saved
                 if self.skipped:
                     self.probe_loss = _ema(self.probe_loss, -saved)
@@ -265,7 +267,7 @@ class Policy:
             self.skipped = 0
         else:
             self.skipped += 1
-        self.credit = min(self.credit + self.PROBE_SHARE * (draft_s + verify_s), self.CREDIT_CAP * step)
+        self.credit = min(self.credit + self.PROBE_SHARE * (draft_s + verify_s), self.CREDIT_CAP * self.step)
         self.tokens = _ema(self.tokens, committed)
         self.seconds = _ema(self.seconds, draft_s + verify_s)
 
