@@ -1,0 +1,36 @@
+"""The table of scripts/dflash2_equal_compute.sh: expected tau per domain and temperature of each arm's methods and
+the shipped drafters', from RUN_DIR/eval/{dflash2,dflash,shipped}-D-T{t}.json (markdown on stdout).
+
+    python scripts/dflash2_table.py [RUN_DIR]      # runs/eq
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DOMAINS = ("chat-dev", "gsm8k", "humaneval", "mbpp")
+COLUMNS = (("shipped", "dflash"), ("shipped", "ddtree"), ("shipped", "treeflash"), ("shipped", "tfm"),
+           ("dflash", "dflash"), ("dflash", "ddtree"), ("dflash2", "dflash2"), ("dflash2", "dflash2-tree"))
+
+
+def main(run: Path) -> None:
+    head = ["shipped " + m if arm == "shipped" else f"{arm} arm: {m}" for arm, m in COLUMNS]
+    for t in (0, 1):
+        print(f"\nT = {t} ({'tau' if t == 0 else 'E[tau]'}, B = 16)\n")
+        print("| domain | " + " | ".join(head) + " |")
+        print("|---|" + "---|" * len(head))
+        for domain in DOMAINS:
+            cells = []
+            for arm, method in COLUMNS:
+                path = run / "eval" / f"{arm}-{domain}-T{t}.json"
+                if path.is_file():
+                    cells.append(f"{json.loads(path.read_text())['methods'][method]['expected_tau']:.3f}")
+                else:
+                    cells.append("-")
+            print(f"| {domain} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/eq"))
