@@ -1,0 +1,52 @@
+"""What cost-aware speculation spends on drafting that does not pay: one method at `--budget auto` over a
+dataset's first prompts (as `bench` takes them), every drafted round logged as predicted to pay or as a probe, with
+the time it lost against the plain AR steps that would have committed its tokens.
+
+    python scripts/policy_spending.py METHOD DATASET [LIMIT]      # e.g. dflash mbpp
+"""
+
+from __future__ import annotations
+
+import sys
+
+from treeflash.drafters import make_drafter
+from treeflash.engine import generate
+from treeflash.eval.datasets import load_prompts
+from treeflash.runtime import Target
+from treeflash.speculation import policy_for
+
+
+def main(method: str, dataset: str, limit: int = 10) -> None:
+    target = Target.load(dtype="auto", compile="auto")  # the command line's defaults
+    drafter = make_drafter(method, target)
+    generate(target, drafter, target.encode_prompt("Hello"), 16)  # warm-up; makes the policy
+    policy = policy_for(target, drafter, 16)
+    should_draft, observe = policy.should_draft, policy.observe
+    log: list[dict] = []
+
+    def logged_should_draft() -> bool:
+        drafts = should_draft()
+        kind = None
+        if drafts:
+            kind = "pays" if policy.gain is not None and policy.gain > policy.rate * policy.draft_s else "probe"
+        log.append({"kind": kind})
+        return drafts
+
+    def logged_observe(trees, paths, committed, draft_s, verify_s, drafted):
+        log[-1].update(committed=committed, seconds=draft_s + verify_s)
+        return observe(trees, paths, committed, draft_s, verify_s, drafted)
+
+    policy.should_draft, policy.observe = logged_should_draft, logged_observe
+    total = sum(generate(target, drafter, target.encode_prompt(p), 128).seconds
+                for p in load_prompts(dataset, limit=limit))
+    step = policy.costs(1)
+    print(f"{method} on {dataset} ({limit} prompts, 128 tokens): {len(log)} rounds, {total:.2f} s, "
+          f"AR step {step * 1e3:.2f} ms")
+    for kind in ("pays", "probe"):
+        rounds = [r for r in log if r["kind"] == kind]
+        lost = sum(r["seconds"] - r["committed"] * step for r in rounds)
+        print(f"  {kind}: {len(rounds)} rounds, lost {lost * 1e3:.1f} ms ({lost / total:.1%} of the time)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 10)
