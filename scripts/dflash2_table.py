@@ -1,6 +1,7 @@
 """The table of scripts/dflash2_equal_compute.sh: expected tau per domain and temperature of each arm's methods and
 the shipped drafters', from RUN_DIR/eval/{dflash2,dflash,shipped}-D-T{t}.json (markdown on stdout). A shipped
-dflash / ddtree cell not measured there comes from the stage-2 evaluation of the same weights (marked †).
+dflash / ddtree cell not measured there comes from the stage-2 evaluation of the same weights (marked †), a
+treeflash / tfm one from the stage-2 evaluation of the adapters' run weights before their bf16 export (‡).
 
     python scripts/dflash2_table.py [RUN_DIR]      # runs/eq
 """
@@ -31,6 +32,9 @@ def main(run: Path) -> None:
                 mark = ""
                 if not path.is_file() and arm == "shipped" and t == 0 and method in ("dflash", "ddtree"):
                     path, mark = STAGE2 / f"new-{domain}.json", " †"  # the same command on the same weights
+                elif not path.is_file() and arm == "shipped" and t == 0:  # the adapters' run weights, before export
+                    prefix = "tf" if method == "treeflash" else "tfm"
+                    path, mark = STAGE2 / "adapters" / f"{prefix}-new-{domain}.json", " ‡"
                 methods = json.loads(path.read_text())["methods"] if path.is_file() else {}
                 cells.append(f"{methods[method]['expected_tau']:.3f}{mark}" if method in methods else "-")
             print(f"| {domain} | " + " | ".join(cells) + " |")
