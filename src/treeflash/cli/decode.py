@@ -109,8 +109,8 @@ def cmd_serve(args) -> None:
 
 # --method left out, by device: the fastest method measured there. On a CPU, prompt lookup: with the 4-bit target its
 # rounds cost almost nothing, and the block drafters' cost an AR step or more, so cost-aware speculation runs them
-# at 0.91-1.01x ar against prompt lookup's 1.08-1.23x (docs/results/cpu-aoti); on a GPU a tree verifies for little
-# more than one token
+# at about ar's speed against prompt lookup's 1.10-1.19x at T = 0 (docs/results/cpu-credit); on a GPU a tree
+# verifies for little more than one token
 DEFAULT_METHODS = {"cpu": ("pld",), "cuda": ("treeflash", "ddtree", "dflash2-tree", "pld")}
 
 
