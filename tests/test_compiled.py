@@ -15,7 +15,7 @@ from treeflash.batching import BatchTarget
 from treeflash.drafters import block_drafter, make_drafter
 from treeflash.drafters.load import compiled_like
 from treeflash.models.dflash import ContextCache
-from treeflash.runtime.static_decoder import DENSE_ROWS
+from treeflash.runtime.static_decoder import COMPILED_ROWS
 from treeflash.runtime import TargetError
 from treeflash.tree import random_tree
 
@@ -50,7 +50,7 @@ def eager_logits(target: Target, prompt: list[int], tree: DraftTree) -> torch.Te
 @needs_compiler
 def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled):
     rng = random.Random(0)
-    assert compiled.static.compiled_rows == DENSE_ROWS[torch.float32] - 1
+    assert compiled.static.compiled_rows == COMPILED_ROWS
     for n in range(1, compiled.static.compiled_rows + 3):  # past the last compiled row count: eager again
         prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
         tree = random_tree(rng, 96, n)

@@ -59,6 +59,11 @@ def unsupported_reason(model) -> str | None:
 # Where bf16 is not native the copy is fp32 (the activations' dtype there) and pays from more rows on: all of
 # SmolLM2's products at 1 / 4 / 17 rows, int4 kernel 19 / 35 / 110 ms, packed fp32 43 / 67 / 88 ms (AVX2)
 DENSE_ROWS = {torch.bfloat16: 6, torch.float32: 12}
+# The compiled layer keeps the 4-bit kernel further: its products at 6-12 rows cost more than the dense copy's, but
+# the dense path is eager and reads 4x the bytes, so whole SmolLM2 verifies on the compiled layer are cheaper up to
+# 12 rows (6 / 8 / 12 rows: 10.5 / 11.6 / 15.8 ms against 14.4 / 14.8 / 17.8 ms on the dense copy, AVX512-BF16,
+# docs/results/cpu-rows). Its LM head (not in the layer) still takes the dense copy from DENSE_ROWS on.
+COMPILED_ROWS = 12
 
 
 class _Projection:
@@ -267,7 +272,7 @@ class StaticDecoder:
 
     def compile(self) -> None:
         """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, built here (or
-        loaded from its cache): those of the 4-bit kernel, from one row to DENSE_ROWS - 1 (the packed dense copy's
+        loaded from its cache): those of the 4-bit kernel, from one row to COMPILED_ROWS (the packed dense copy's
         products, prefills included, stay eager). Raises ValueError for a model whose layers have no compiled
         form, or whose activation is not SiLU."""
         from .compiled_layer import SEQUENCES, compile_layer, layer_weights  # (it imports this module)
@@ -277,7 +282,7 @@ class StaticDecoder:
         weights = [layer_weights(layer) for layer in self.layers]
         eps = self.layers[0].in_norm.variance_epsilon
         self.compiled_layers = {b: compile_layer(self.shape, eps, self.dtype, weights[0], b) for b in SEQUENCES}
-        self.compiled_weights, self.compiled_rows = weights, DENSE_ROWS.get(self.dtype, 6) - 1
+        self.compiled_weights, self.compiled_rows = weights, COMPILED_ROWS
 
     @torch.no_grad()
     def _rope_table(self, length: int) -> None:
