@@ -18,7 +18,8 @@ import treeflash.engine
 import treeflash.verify
 from treeflash import Sampling, generate
 from treeflash.batching import BatchEngine
-from treeflash.drafters import block_drafter, make_drafter
+from treeflash.drafters import PromptLookupDrafter, block_drafter, make_drafter
+from treeflash.drafters.datastore import Datastore
 
 from conftest import tiny_target
 from test_dflash import tiny_drafter
@@ -32,7 +33,7 @@ PROMPT = [1, 4, 2, 3, 1, 4, 2, 3, 1]  # repeated: prompt lookup finds matches
 SAMPLING = Sampling(temperature=0.9, top_k=3, top_p=0.8)  # all three processors, each cutting somewhere
 SINGLE, BATCHED, BATCH = 400, 600, 50  # samples one sequence at a time, and in batches of BATCH
 PASS_P, FAIL_P = 1e-3, 1e-6  # an exact method passes at 1e-3 (0.1 % false alarms per test); a control fails at 1e-6
-METHODS = ("ar", "pld", "dflash", "ddtree", "treeflash", "tfm", "dflash2", "dflash2-tree")
+METHODS = ("ar", "pld", "rest", "dflash", "ddtree", "treeflash", "tfm", "dflash2", "dflash2-tree")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,9 @@ def drafters(target, tmp_path_factory):
     """Each method's own drafter class over random weights sized for the 5-token target."""
     backbone = tiny_drafter(target, seed=1, block_size=4)
     folder = str(dflash2_folder(tmp_path_factory.mktemp("dflash2") / "d", target, block_size=4, top_k=4))
-    return {"ar": make_drafter("ar"), "pld": make_drafter("pld"),
+    g = torch.Generator().manual_seed(2)  # a datastore of random answers: it drafts where the context does not
+    datastore = Datastore.from_sequences(torch.randint(0, VOCAB, (8, 30), generator=g).tolist(), VOCAB)
+    return {"ar": make_drafter("ar"), "pld": make_drafter("pld"), "rest": PromptLookupDrafter(datastore=datastore),
             "dflash": block_drafter(backbone, "dflash"), "ddtree": block_drafter(backbone, "ddtree"),
             "treeflash": block_drafter(treeflash_drafter(target), "treeflash", top_m=4, top_n=8),
             "tfm": block_drafter(backbone, "tfm", weaver=tiny_weaver(backbone, top_k=4), width=2),

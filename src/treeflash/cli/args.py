@@ -129,6 +129,9 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree/tfm "
                    "(default: the one shipped for the target), or a DFlash2 folder for dflash2 / dflash2-tree (none ships)")
+    p.add_argument("--datastore", default=None, metavar="FOLDER",
+                   help="datastore for rest: the target's own answers, indexed (written by `treeflash data datastore`; "
+                   "default: the one shipped for the target)")
     p.add_argument("--weaver", type=_paths if weavers else str, default=None,
                    help="Weaver folder for tfm (written by `treeflash train weaver`; default: the one shipped for the "
                    "target)" + ("; a list A,B compares checkpoints: every tfm variant once per Weaver, named "
@@ -266,6 +269,14 @@ def build_parser() -> Parser:
     rk.add_argument("--drafter", required=True, help="drafter folder to write token_ranking.json into")
     rk.add_argument("--size", type=int, default=None,
                     help="also set draft_vocab_size = N in its config.json (0: the whole vocabulary)")
+
+    dst = data.add_parser("datastore", help="index the target's answers for retrieval drafting (method rest): writes "
+                          "datastore.npz and datastore.json into a folder that --datastore names")
+    dst.add_argument("--data", default=DEFAULT_STORE, help=f"answer store(s), commas ({DEFAULT_STORE})")
+    dst.add_argument("--out", required=True, help="the datastore folder to write")
+    dst.add_argument("--target", default=DEFAULT_TARGET, help="the target the answers are from (its vocabulary)")
+    dst.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                     help="index the answers made at this temperature (0: the greedy ones, default)")
 
     mf = data.add_parser("manifest", help="what answer stores hold: answers per source and temperature, tokens, and "
                          "the commands and commits that made them (JSON)")

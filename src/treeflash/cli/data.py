@@ -1,4 +1,4 @@
-"""`treeflash data`: regen, rank, manifest, check, import."""
+"""`treeflash data`: regen, rank, datastore, manifest, check, import."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def cmd_data(args) -> None:
 
     if args.data_command == "rank":
         return cmd_rank(args)
+    if args.data_command == "datastore":
+        return cmd_datastore(args)
     if args.data_command == "manifest":
         text = json.dumps([store.summary() for store in stores(args.data)], indent=2)
         if args.out:
@@ -64,6 +66,33 @@ def cmd_rank(args) -> None:
         config["draft_vocab_size"] = args.size or None
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(json.dumps({"drafter": str(folder), **stats, "draft_vocab_size": args.size}))
+
+
+def cmd_datastore(args) -> None:
+    import shlex
+    from collections import Counter
+
+    from ..drafters.datastore import Datastore
+    from ..runtime import Target
+    from ..train.data import source_commit
+    from ..train.store import stores
+
+    chosen = stores(args.data)
+    others = {e.get("target") for store in chosen for e in store.entries()} - {args.target}
+    if others:
+        raise UsageError(f"{args.data} holds answers of {', '.join(sorted(map(str, others)))}, not of --target "
+                         f"{args.target}: a datastore drafts for the target that wrote it")
+    answers = [a for store in chosen for a in store.answers() if a.temperature == args.temperature]
+    if not answers:
+        raise UsageError(f"{args.data} holds no answers at temperature {args.temperature}")
+    vocab_size = Target.load(args.target, dtype="bfloat16").config.vocab_size
+    datastore = Datastore.from_sequences([a.response_ids for a in answers], vocab_size)
+    info = {"target": args.target, "data": args.data, "temperature": args.temperature,
+            "answers_by_source": dict(Counter(a.id.split("/")[0] for a in answers)), "commit": source_commit(),
+            "command": shlex.join(args.command_line)}
+    datastore.save(args.out, info)
+    print(json.dumps({"datastore": args.out, "sequences": len(answers), "tokens": len(datastore),
+                      "ngram": datastore.ngram}))
 
 
 def _spread(items: list, n: int) -> list:

@@ -73,7 +73,8 @@ def cmd_generate(args) -> None:
             sys.stdout.flush()
             printed = text
 
-    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width, args.draft_vocab)
+    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width, args.draft_vocab,
+                           args.datastore)
     result = generate(target, drafter, prompt, args.max_new_tokens, sampling, args.budget, seed=args.seed,
                       on_token=None if args.json else stream, max_budget=args.max_budget)
     if args.json:
@@ -99,7 +100,8 @@ def cmd_serve(args) -> None:
         print(f"treeflash: warning: serving on {args.host} without an API key: whoever reaches it can use it "
               "(set --api-key or TREEFLASH_API_KEY)", file=sys.stderr)
     target = _load_target(args)
-    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width, args.draft_vocab)
+    drafter = make_drafter(args.method, target, args.drafter, args.weaver, args.tfm_width, args.draft_vocab,
+                           args.datastore)
     settings = Settings(model=args.served_model_name or args.target, method=args.method, api_key=api_key,
                         timeout=args.timeout, max_tokens=args.max_new_tokens, temperature=sampling.temperature,
                         top_p=sampling.top_p, top_k=sampling.top_k, seed=args.seed)
@@ -119,7 +121,7 @@ def _choose_method(args) -> None:
     if args.method is None:
         import torch
 
-        available = available_methods(args.target, args.drafter)
+        available = available_methods(args.target, args.drafter, args.weaver, args.datastore)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type
         args.method = next(m for m in DEFAULT_METHODS.get(device, DEFAULT_METHODS["cuda"]) if m in available)
     if args.method == "tfm":
@@ -134,15 +136,16 @@ def _require_weaver(args) -> None:
                          "drafter in use)")
 
 
-def available_methods(target: str, drafter: str | None, weaver: str | None = None) -> list[str]:
-    """The methods that can run: ar, pld, and the block methods of the named drafter (else of the drafters shipped
+def available_methods(target: str, drafter: str | None, weaver: str | None = None,
+                      datastore: str | None = None) -> list[str]:
+    """The methods that can run: ar, pld, rest with a datastore (named, or shipped for the target), and the block methods of the named drafter (else of the drafters shipped
     for the target): treeflash needs an AR layer, tfm a Weaver (named, or shipped with the shipped drafter)."""
     from pathlib import Path
 
-    from ..drafters.load import default_weaver_path, shipped_drafter
+    from ..drafters.load import default_weaver_path, shipped_datastore, shipped_drafter
     from ..models.dflash2 import is_dflash2
 
-    methods = ["ar", "pld"]
+    methods = ["ar", "pld"] + (["rest"] if datastore or shipped_datastore(target) else [])
     if drafter and is_dflash2(drafter):  # its own methods only: the DFlash ones cannot read its layers
         return methods + ["dflash2", "dflash2-tree"]
     if drafter or shipped_drafter(target, "dflash"):
@@ -166,7 +169,7 @@ def cmd_bench(args) -> None:
     sampling = _sampling(args)
     prompts = load_prompts(args.dataset, args.field, args.limit)
     if args.methods is None:
-        args.methods = available_methods(args.target, args.drafter, args.weaver)
+        args.methods = available_methods(args.target, args.drafter, args.weaver, args.datastore)
     if "tfm" in args.methods:
         _require_weaver(args)
     import torch
@@ -179,7 +182,8 @@ def cmd_bench(args) -> None:
     started = time.time()
     methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
                         progress=not args.no_progress, drafter_path=args.drafter, weaver_path=args.weaver,
-                        tfm_widths=args.tfm_width, max_budget=args.max_budget, draft_vocab_size=args.draft_vocab)
+                        tfm_widths=args.tfm_width, max_budget=args.max_budget, draft_vocab_size=args.draft_vocab,
+                        datastore_path=args.datastore)
     dtype = str(target.dtype).removeprefix("torch.")
     report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budgets": args.budget,
               "max_budget": args.max_budget, "tfm_widths": args.tfm_width, "draft_vocab": args.draft_vocab,
@@ -213,7 +217,8 @@ def _batch_bench(args, target, prompts, sampling) -> None:
     rows = run_batch_bench(target, prompts, args.methods, args.batch_size, args.budget, sampling,
                            args.max_new_tokens, args.seed, progress=not args.no_progress, drafter_path=args.drafter,
                            weaver_path=args.weaver, tfm_width=args.tfm_width[0], max_budget=args.max_budget,
-                           draft_vocab_size=args.draft_vocab, repeats=args.repeats)
+                           draft_vocab_size=args.draft_vocab, repeats=args.repeats,
+                           datastore_path=args.datastore)
     dtype = str(target.dtype).removeprefix("torch.")
     print(f"{args.dataset}: {len(prompts)} prompts, batch sizes {','.join(map(str, args.batch_size))}, budget "
           f"{','.join(map(str, args.budget))} (max {args.max_budget}), T = {args.temperature}, {args.max_new_tokens} "
@@ -234,14 +239,15 @@ def cmd_paired(args) -> None:
     from ..eval.paired import format_paired, paired_drafters, run_paired
 
     prompts = load_prompts(args.dataset, args.field, args.limit)
-    methods = [m for m in args.methods or available_methods(args.target, args.drafter, args.weaver) if m != "ar"]
+    chosen = args.methods or available_methods(args.target, args.drafter, args.weaver, args.datastore)
+    methods = [m for m in chosen if m != "ar"]
     if not methods:
         raise UsageError("paired compares tree builders: name at least one method other than ar")
     if "tfm" in methods:
         _require_weaver(args)
     target = _load_target(args)
     drafters = paired_drafters(target, methods, args.budget, args.tfm_width, args.drafter, args.weaver,
-                               args.draft_vocab)
+                               args.draft_vocab, args.datastore)
     encoded = [_encode(target, p) for p in prompts]
     report = run_paired(target, encoded, drafters, _sampling(args), args.max_new_tokens, args.seed,
                         progress=not args.no_progress)

@@ -14,6 +14,8 @@ from ..models.dflash2 import DFlash2Drafter, is_dflash2
 from ..runtime.packed import pack_linears
 from ..models.weaver import Weaver
 from .block import BlockDrafter, block_drafter, drafting_dtype
+from .datastore import FILE as DATASTORE_FILE, Datastore
+from .pld import PromptLookupDrafter
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +24,8 @@ CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED = {("smollm2-135m-instruct", "dflash"): CHECKPOINTS / "smollm2-135m-instruct-dflash",
            ("smollm2-135m-instruct", "treeflash"): CHECKPOINTS / "smollm2-135m-instruct-treeflash",
            ("smollm2-135m-instruct", "weaver"): CHECKPOINTS / "smollm2-135m-instruct-weaver"}
+# retrieval drafting's datastores (method rest), by target name: the target's greedy answers to the training prompts
+DATASTORES = {"smollm2-135m-instruct": CHECKPOINTS / "smollm2-135m-instruct-datastore"}
 
 
 def shipped_drafter(target_name: str, kind: str) -> Path | None:
@@ -42,6 +46,25 @@ def default_drafter_path(target_name: str, kind: str) -> Path:
 def default_weaver_path(target_name: str, drafter_path: str | Path | None) -> Path | None:
     """The Weaver shipped for the target, which fits only the shipped drafter: None when another is named."""
     return shipped_drafter(target_name, "weaver") if drafter_path is None else None
+
+
+def shipped_datastore(target_name: str) -> Path | None:
+    """The datastore shipped for a target (method rest), if there is one."""
+    path = DATASTORES.get(target_name)
+    return path if path is not None and (path / DATASTORE_FILE).exists() else None
+
+
+def load_rest_drafter(target, path: str | Path | None = None) -> PromptLookupDrafter:
+    """Prompt lookup with a datastore: the one named, else the one shipped for the target."""
+    path = path or shipped_datastore(target.name)
+    if path is None:
+        raise FileNotFoundError(f"no datastore ships for target {target.name!r}: build one from its answers with "
+                                "`treeflash data datastore --out FOLDER` and pass --datastore FOLDER")
+    datastore = Datastore.load(path)
+    if datastore.vocab_size != target.config.vocab_size:
+        raise DrafterError(f"the datastore at {path} holds token ids of a {datastore.vocab_size}-token vocabulary, "
+                           f"the target has {target.config.vocab_size}: build it from this target's answers")
+    return PromptLookupDrafter(datastore=datastore)
 
 
 def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = None) -> DFlashDrafter:

@@ -9,22 +9,33 @@ token is a weaker guess than one after three. Cost-aware speculation calibrates 
 target accepts, and leans on them while it has few observations: as plain vote shares, a lone match after one
 repeated token claimed certainty, and the policy verified large trees that cost more than they gave
 (docs/results/cpu-auto).
+
+With a `Datastore` (method `rest`), the drafts come from the target's own earlier answers wherever the context's
+longest match is shorter than `TRUST_NGRAM` tokens: a copy after one repeated token of the context is a weaker
+guess than the continuation that most often followed the last few tokens in the datastore (docs/results/rest).
 """
 
 from __future__ import annotations
 
 from ..tree import DraftTree
+from .datastore import Datastore
+
+# a context match of this many tokens is trusted over the datastore: on held-out answers, copying after 2-3
+# repeated tokens of the context beat the datastore's continuation, copying after one did not (docs/results/rest)
+TRUST_NGRAM = 2
 
 
 class PromptLookupDrafter:
-    name = "pld"
     taps: tuple[int, ...] = ()
     drafts = True
     forward_s, adapter_calls = 0.0, 0
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 8, max_matches: int = 8):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 8, max_matches: int = 8,
+                 datastore: Datastore | None = None, datastore_matches: int = 16):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_depth, self.max_matches = max_depth, max_matches
+        self.datastore, self.datastore_matches = datastore, datastore_matches
+        self.name = "pld" if datastore is None else "rest"
 
     def reset(self) -> None:
         pass
@@ -51,9 +62,11 @@ class PromptLookupDrafter:
         return paths
 
     def propose(self, tokens, features, budget) -> DraftTree:
-        matches = self.continuations(tokens)
-        return vote_tree(tokens[-1], [path for _, path in matches], budget,
-                         [n / self.max_ngram for n, _ in matches])
+        matches = [(n / self.max_ngram, path) for n, path in self.continuations(tokens)]
+        if self.datastore is not None and (not matches or matches[0][0] < TRUST_NGRAM / self.max_ngram):
+            n, paths = self.datastore.continuations(tokens, self.max_depth, self.datastore_matches)
+            matches = [(n / self.datastore.ngram, path) for path in paths] + matches
+        return vote_tree(tokens[-1], [path for _, path in matches], budget, [s for s, _ in matches])
 
 
 def vote_tree(root: int, paths: list[list[int]], budget: int, strengths: list[float] | None = None) -> DraftTree:

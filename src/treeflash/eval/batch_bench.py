@@ -25,12 +25,13 @@ def run_batch_bench(target: Target, prompts: list[str], methods: list[str], batc
                     budgets: list = (AUTO,), sampling: Sampling = Sampling(), max_new_tokens: int = 128,
                     seed: int = 0, progress: bool = True, drafter_path: str | None = None,
                     weaver_path: str | None = None, tfm_width: int = 8, max_budget: int = DEFAULT_MAX_BUDGET,
-                    draft_vocab_size: int | None = None, repeats: int = 1) -> dict:
+                    draft_vocab_size: int | None = None, repeats: int = 1,
+                    datastore_path: str | None = None) -> dict:
     encoded = [target.encode_prompt(p) for p in prompts]
     ar_drafter = make_drafter("ar")
     reference = [generate(target, ar_drafter, p, max_new_tokens).tokens for p in encoded] if sampling.greedy else None
     variants = [("ar", 1)] + [(m, b) for m in methods if m not in ("ar", EAGER, *BASELINES) for b in budgets]
-    drafters = {m: make_drafter(m, target, drafter_path, weaver_path, tfm_width, draft_vocab_size)
+    drafters = {m: make_drafter(m, target, drafter_path, weaver_path, tfm_width, draft_vocab_size, datastore_path)
                 for m in dict.fromkeys(m for m, _ in variants)}
     engines = {(m, b, n): BatchEngine(target, drafters[m], n, b, max_budget)  # measures the batch costs once
                for m, b in variants for n in batch_sizes}

@@ -97,7 +97,7 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
               sampling: Sampling = Sampling(), max_new_tokens: int = 128, seed: int = 0,
               progress: bool = True, drafter_path: str | None = None, weaver_path: str | None = None,
               tfm_widths: list[int] = (8,), max_budget: int = DEFAULT_MAX_BUDGET,
-              draft_vocab_size: int | None = None) -> dict:
+              draft_vocab_size: int | None = None, datastore_path: str | None = None) -> dict:
     """Run every variant of `methods` x `budgets` (x `tfm_widths` for tfm) on every prompt, interleaved."""
     runs, drafters, loaded, seen, skipped, stock = [], {}, {}, set(), {}, {}
     for v in variants(methods, list(budgets), list(tfm_widths)):
@@ -117,7 +117,7 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             continue
         if (v.method, v.width) not in loaded:  # one drafter per method and width, shared by every budget
             loaded[v.method, v.width] = make_drafter(v.method, target, drafter_path, weaver_path, v.width or 8,
-                                                     draft_vocab_size)
+                                                     draft_vocab_size, datastore_path)
         drafter = loaded[v.method, v.width]
         if hasattr(drafter, "synced_timing"):  # a block drafter: its forward's own time, in the table's split
             drafter.synced_timing = True

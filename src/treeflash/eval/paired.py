@@ -57,7 +57,7 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
 
 def paired_drafters(target: Target, methods: list[str], budgets: list[int], tfm_widths: list[int],
                     drafter_path: str | None = None, weaver_paths: list[str] | None = None,
-                    draft_vocab_size: int | None = None) -> dict:
+                    draft_vocab_size: int | None = None, datastore_path: str | None = None) -> dict:
     """One drafter per (method, budget, width) variant of `bench`'s sweep, `ar` left out. Several Weaver folders
     (checkpoints of one backbone) give every tfm variant once per Weaver, named with the suffix #1, #2, ... in the
     list's order; None: the shipped Weaver."""
@@ -68,7 +68,8 @@ def paired_drafters(target: Target, methods: list[str], budgets: list[int], tfm_
     for v in chosen:
         name = v.name(several_budgets, several_widths)
         for i, weaver in enumerate(weavers if v.method == "tfm" else [None], start=1):
-            drafter = make_drafter(v.method, target, drafter_path, weaver, v.width or 8, draft_vocab_size)
+            drafter = make_drafter(v.method, target, drafter_path, weaver, v.width or 8, draft_vocab_size,
+                                   datastore_path)
             out[f"{name}#{i}" if v.method == "tfm" and len(weavers) > 1 else name] = (drafter, v.budget)
     return out
 
