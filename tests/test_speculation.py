@@ -28,6 +28,30 @@ def test_verify_costs_interpolate_and_refresh():
     assert c(16) == pytest.approx(0.052, rel=0.01)  # an EMA: 50 observations at rate 0.1
 
 
+def test_verify_costs_grow_with_the_context():
+    """Measured at 256 positions with a slope per bucket: linear in the context, never under half the cost at
+    256, and an observation at a long context refreshes the table without counting the context twice."""
+    c = VerifyCosts({1: 0.005, 8: 0.010}, context=256, slopes={1: 1e-6, 8: 8e-6})
+    assert c(8) == c(8, 256) == pytest.approx(0.010)
+    assert c(8, 1256) == pytest.approx(0.018) and c(1, 1256) == pytest.approx(0.006)
+    assert c(4, 1256) == pytest.approx(c(4) + 1000 * (1e-6 + 3 / 7 * 7e-6))  # slopes interpolate as costs do
+    assert c(8, 0) == pytest.approx(0.010 - 0.002048) and c(1, -10**6) == pytest.approx(0.0025)
+    assert c.table(9, 1256) == pytest.approx([c(n, 1256) for n in range(1, 10)])
+    for _ in range(20):
+        c.observe(8, 0.018, 1256)  # as predicted there: nothing to learn
+    assert c(8) == pytest.approx(0.010)
+    flat = VerifyCosts({1: 0.005, 8: 0.010})  # no slopes: the same at every context
+    assert flat(8, 5000) == flat(8) == pytest.approx(0.010)
+
+
+def test_policy_drafts_smaller_trees_after_long_contexts():
+    tree = DraftTree.chain(0, list(range(1, 9)), probs=[0.9] * 8)
+    table = {n: (5.0 + 0.3 * n) / 1e3 for n in (1, 2, 4, 8, 16)}
+    policy = Policy(VerifyCosts(table, 256, {n: n * 2e-6 for n in table}), 8)
+    near, far = policy.choose([tree], 256)[0].size, policy.choose([tree], 4000)[0].size
+    assert far < near
+
+
 def test_calibration_learns_the_observed_acceptance():
     cal = Calibration(prior=4.0)
     tree = DraftTree.chain(0, [1, 2], probs=[0.9, 0.9])  # the drafter says 0.9 at every depth

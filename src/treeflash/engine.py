@@ -200,10 +200,11 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     t0 = _host()
     drafted = budget > 0 and lanes.drafts and (policy is None or policy.should_draft())
     counted = lanes.counters()
+    context = max(len(s.tokens) for s in seqs)  # what the trees attend to (the policy prices their verification)
     if drafted:
         trees = lanes.propose(seqs, [budget] * len(seqs))
         if policy:
-            trees = policy.choose(trees)
+            trees = policy.choose(trees, context)
     else:  # plain AR steps: the drafters' contexts catch up at their next call
         trees = [DraftTree.chain(s.tokens[-1]) for s in seqs]
     t1 = _host()
@@ -217,7 +218,7 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
         seq.add_features(out.hidden, path)
         new.append([tree.tokens[i] for i in path[1:]] + [bonus])
     if policy:
-        policy.observe(trees, paths, sum(map(len, new)), t1 - t0, t2 - t1, drafted)
+        policy.observe(trees, paths, sum(map(len, new)), t1 - t0, t2 - t1, drafted, context)
     t3 = _host()  # the round's bookkeeping is part of its time (what bench's tokens per second count)
     expected = [len(n) if s.greedy else expected_accepted(t, o.logits, s)  # a measure: not timed
                 for n, t, o, s in zip(new, trees, outs, samplings)]

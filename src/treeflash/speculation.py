@@ -1,8 +1,9 @@
 """Cost-aware speculation: each round the engine verifies the draft-tree prefix that pays most, or none at all.
 
 The engine knows its own costs (they differ by hardware, dtype and batch, so a fixed budget is wrong somewhere):
-- `VerifyCosts`: seconds per target verification by tree size, bucketed; measured once per target when the first
-  auto-budget sequence starts, then refreshed online from every round;
+- `VerifyCosts`: seconds per target verification by tree size, bucketed, and linear in the context length (a tree's
+  attention reads every cached position); measured once per target when the first auto-budget sequence starts, then
+  refreshed online from every round;
 - `Calibration`: the drafter's probability of each node given its parent, against the acceptances the target
   actually made (per depth and probability bin, shrunk towards the drafter's own number while data is scarce).
 
@@ -33,6 +34,10 @@ BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # verif
 # grows with its rows times the context, so costs taken at 128 made trees of 3-4 nodes look cheaper than they are
 # there (prompt lookup on GSM8K: 1.15x ar with them, 1.20x with these, against 1.26x at a fixed budget of 2)
 COST_CONTEXT = 256
+# ... and a longer one, for how costs grow with the context: at 1,200 positions a 12-row SmolLM2 verify costs twice
+# what it costs at 200, and a policy that priced every tree at 256 positions verified 10-node trees of prompt lookup
+# from a datastore at 45-50 ms on long chat prompts (docs/results/rest)
+LONG_COST_CONTEXT = 4 * COST_CONTEXT
 
 
 def cost_context(target, context: int = COST_CONTEXT) -> int:
@@ -42,23 +47,39 @@ def cost_context(target, context: int = COST_CONTEXT) -> int:
 
 
 class VerifyCosts:
-    """Seconds per verification of n tokens: a few buckets, linear in between, refreshed by every round."""
+    """Seconds per verification of n tokens after `context` cached positions: a few buckets, linear in between;
+    at another context, plus `slopes` (seconds per position, by bucket) times the difference. Refreshed by every
+    round."""
 
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], context: int = COST_CONTEXT, slopes: dict[int, float] | None = None):
         self.sizes = sorted(seconds)
         self.seconds = [seconds[n] for n in self.sizes]
+        self.context = context
+        self.slopes = [max(slopes[n], 0.0) for n in self.sizes] if slopes else None
 
     @classmethod
     @torch.inference_mode()
     def measure(cls, target, max_tokens: int, context: int = COST_CONTEXT, repeats: int = 3) -> "VerifyCosts":
-        """Time verifications of random trees on a dummy context (it starts a sequence: call before prefill)."""
-        vocab, context = target.config.vocab_size, cost_context(target, context)
+        """Time verifications of random trees on dummy contexts of two lengths (it starts a sequence: call before
+        prefill)."""
+        near, far = cost_context(target, context), cost_context(target, LONG_COST_CONTEXT * context // COST_CONTEXT)
+        costs = cls.timed(cls.verifier(target, near), target.device, target.config.vocab_size, max_tokens, repeats)
+        if far <= near:  # a short-context model: costs at one length
+            return costs
+        longer = cls.timed(cls.verifier(target, far), target.device, target.config.vocab_size, max_tokens, repeats)
+        slopes = {n: (b - a) / (far - near) for n, a, b in zip(costs.sizes, costs.seconds, longer.seconds)}
+        return cls(dict(zip(costs.sizes, costs.seconds)), near, slopes)
+
+    @staticmethod
+    def verifier(target, context: int) -> Callable[[DraftTree], None]:
+        """verify(tree) after a dummy context of `context` positions, the same every call."""
+        vocab = target.config.vocab_size
         target.prefill(torch.randint(vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist())
 
         def verify(tree: DraftTree) -> None:
             target.verify(tree)
             target.discard()  # every measurement sees the same context
-        return cls.timed(verify, target.device, vocab, max_tokens, repeats)
+        return verify
 
     @classmethod
     def timed(cls, verify, device, vocab: int, max_tokens: int, repeats: int = 3) -> "VerifyCosts":
@@ -76,33 +97,41 @@ class VerifyCosts:
                 best[n] = min(best.get(n, float("inf")), now(device) - start)
         return cls(best)
 
-    def __call__(self, n: int) -> float:
-        """Predicted seconds to verify n tokens."""
-        return self._at(n, bisect.bisect_left(self.sizes, n))
+    def __call__(self, n: int, context: int | None = None) -> float:
+        """Predicted seconds to verify n tokens (after `context` positions; None: the measured context)."""
+        return self._at(n, bisect.bisect_left(self.sizes, n), context)
 
-    def table(self, up_to: int) -> list[float]:
-        """[self(n) for n in 1..up_to], in one walk over the buckets (the policy asks every round)."""
+    def table(self, up_to: int, context: int | None = None) -> list[float]:
+        """[self(n, context) for n in 1..up_to], in one walk over the buckets (the policy asks every round)."""
         out, i = [], 0
         for n in range(1, up_to + 1):
             while i < len(self.sizes) and self.sizes[i] < n:
                 i += 1
-            out.append(self._at(n, i))
+            out.append(self._at(n, i, context))
         return out
 
-    def _at(self, n: int, i: int) -> float:
-        """self(n), given i = bisect_left(self.sizes, n)."""
+    def _at(self, n: int, i: int, context: int | None = None) -> float:
+        """self(n, context), given i = bisect_left(self.sizes, n)."""
+        base = self._interpolate(self.seconds, n, i)
+        if context is None or self.slopes is None:
+            return base
+        # below the measured context, never under half the cost there (the products do not shrink)
+        return max(base + self._interpolate(self.slopes, n, i) * (context - self.context), base / 2)
+
+    def _interpolate(self, values: list[float], n: int, i: int) -> float:
         if i < len(self.sizes) and self.sizes[i] == n:
-            return self.seconds[i]
+            return values[i]
         lo, hi = max(i - 1, 0), min(i, len(self.sizes) - 1)
         if lo == hi:  # outside the measured range: proportional to the nearest bucket
-            return self.seconds[lo] * n / self.sizes[lo]
+            return values[lo] * n / self.sizes[lo]
         w = (n - self.sizes[lo]) / (self.sizes[hi] - self.sizes[lo])
-        return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
+        return (1 - w) * values[lo] + w * values[hi]
 
-    def observe(self, n: int, seconds: float, rate: float = 0.1) -> None:
-        """Move the nearest bucket towards an observed verification of n tokens (scaled to the bucket's size)."""
+    def observe(self, n: int, seconds: float, context: int | None = None, rate: float = 0.1) -> None:
+        """Move the nearest bucket towards an observed verification of n tokens after `context` positions (scaled
+        to the bucket's size and the measured context)."""
         i = min(range(len(self.sizes)), key=lambda j: abs(self.sizes[j] - n))
-        scaled = seconds * self.seconds[i] / max(self(n), 1e-9)
+        scaled = seconds * self.seconds[i] / max(self(n, context), 1e-9)
         self.seconds[i] += rate * (scaled - self.seconds[i])
 
 
@@ -114,12 +143,12 @@ class BatchCosts:
         self.batches = sorted(tables)
         self.tables = [tables[b] for b in self.batches]
 
-    def __call__(self, n: int, batch: int = 1) -> float:
-        return sum(table(n) * a / b for table, a, b in self._blend(batch))
+    def __call__(self, n: int, batch: int = 1, context: int | None = None) -> float:
+        return sum(table(n, context) * a / b for table, a, b in self._blend(batch))
 
-    def table(self, up_to: int, batch: int = 1) -> list[float]:
-        """[self(n, batch) for n in 1..up_to]."""
-        parts = [[c * a / b for c in table.table(up_to)] for table, a, b in self._blend(batch)]
+    def table(self, up_to: int, batch: int = 1, context: int | None = None) -> list[float]:
+        """[self(n, batch, context) for n in 1..up_to]."""
+        parts = [[c * a / b for c in table.table(up_to, context)] for table, a, b in self._blend(batch)]
         return [sum(costs) for costs in zip(*parts)]
 
     def _blend(self, batch: int) -> list[tuple[VerifyCosts, float, float]]:
@@ -134,10 +163,11 @@ class BatchCosts:
         w = (batch - self.batches[lo]) / (self.batches[hi] - self.batches[lo])
         return [(self.tables[lo], 1 - w, 1.0), (self.tables[hi], w, 1.0)]
 
-    def observe(self, n: int, seconds: float, batch: int = 1) -> None:
+    def observe(self, n: int, seconds: float, batch: int = 1, context: int | None = None) -> None:
         """Refresh the table of the nearest measured batch size (scaled to it)."""
         i = min(range(len(self.batches)), key=lambda j: abs(self.batches[j] - batch))
-        self.tables[i].observe(n, seconds * self(n, self.batches[i]) / max(self(n, batch), 1e-9))
+        self.tables[i].observe(n, seconds * self(n, self.batches[i], context) / max(self(n, batch, context), 1e-9),
+                               context)
 
 
 class Calibration:
@@ -224,10 +254,10 @@ class Policy:
         # a probe: the text may have become easier to draft
         return self.skipped >= self.PROBE_GAP and self.credit >= max(self.probe_loss or 0.0, 0.0)
 
-    def choose(self, trees: list[DraftTree]) -> list[DraftTree]:
-        """The prefixes of `trees` (one per sequence of a batch, verified in one forward, padded to the largest) that
-        maximise E[committed tokens] - λ x verification time. A batch shares one size n (each tree cut to n): the
-        forward's cost follows its largest tree."""
+    def choose(self, trees: list[DraftTree], context: int | None = None) -> list[DraftTree]:
+        """The prefixes of `trees` (one per sequence of a batch, verified in one forward, padded to the largest,
+        after `context` cached positions at most) that maximise E[committed tokens] - λ x verification time. A
+        batch shares one size n (each tree cut to n): the forward's cost follows its largest tree."""
         # in Python floats: a round's trees are small, and a dozen tensor ops cost more than the arithmetic
         size = max(t.size for t in trees)
         expected = [0.0] * (size + 1)  # E(n) for n = 0..size, summed over the batch
@@ -238,7 +268,7 @@ class Policy:
             values += [values[-1]] * (size - tree.size)
             expected = [e + v for e, v in zip(expected, values)]
         rate = self.rate
-        net = [e - rate * c for e, c in zip(expected, self.costs.table(size + 1, len(trees)))]
+        net = [e - rate * c for e, c in zip(expected, self.costs.table(size + 1, len(trees), context))]
         n = max(range(size + 1), key=net.__getitem__)  # the first of equal maxima, as argmax
         gain = net[n] - net[0]
         # a probe after AR rounds judges the text as it is now: the average of the drafted rounds is stale
@@ -246,13 +276,14 @@ class Policy:
         return [tree.prefix(min(n, tree.size)) for tree in trees]
 
     def observe(self, trees: list[DraftTree], paths: list[list[int]], committed: int, draft_s: float,
-                verify_s: float, drafted: bool) -> None:
-        """One round of the batch: its trees, their accepted paths, the tokens committed in all, its times."""
+                verify_s: float, drafted: bool, context: int | None = None) -> None:
+        """One round of the batch: its trees, their accepted paths, the tokens committed in all, its times, the
+        context it verified after."""
         batch = len(trees)
-        self.costs.observe(max(len(t) for t in trees), verify_s, batch)
+        self.costs.observe(max(len(t) for t in trees), verify_s, batch, context)
         for tree, path in zip(trees, paths):
             self.calibration.observe(tree, path)
-        self.step = self.costs(1, batch)  # refreshed by every AR round
+        self.step = self.costs(1, batch, context)  # refreshed by every AR round
         if drafted:
             if self.draft_s is not None:  # the first drafting round pays for lazy initialisation: not charged
                 saved = committed / batch * self.step - (draft_s + verify_s)
