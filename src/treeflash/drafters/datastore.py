@@ -31,22 +31,23 @@ class Datastore:
         self.bits = max(int(self.vocab_size).bit_length(), 1)  # one value more than any token: the separator
         self.ngram = min(4, 64 // self.bits)  # as many tokens as fit one uint64 key
         self.separator = (1 << self.bits) - 1
-        tokens, lengths = np.asarray(tokens, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths, dtype=np.int64)
         if len(tokens) != lengths.sum() or (len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size)):
             raise ValueError(f"a datastore needs token ids in 0..{self.vocab_size - 1} and lengths that sum to them")
         self.tokens, self.lengths = tokens, lengths
         # the sequences joined, each followed by a separator; `ngram` more at the end, so every position has a key
         ends = np.cumsum(lengths)
-        flat = np.full(len(tokens) + len(lengths) + self.ngram, self.separator, dtype=np.uint64)
+        flat = np.full(len(tokens) + len(lengths) + self.ngram, self.separator, dtype=np.uint32)
         keep = np.ones(len(flat) - self.ngram, dtype=bool)
         keep[ends + np.arange(len(lengths))] = False  # where the separators go
         flat[:len(keep)][keep] = tokens
         self.flat = flat
         keys = np.zeros(len(flat) - self.ngram, dtype=np.uint64)
         for j in range(self.ngram):
-            keys = (keys << np.uint64(self.bits)) | flat[j:j + len(keys)]
-        self.order = np.argsort(keys, kind="stable")
-        self.keys = keys[self.order]
+            keys = (keys << np.uint64(self.bits)) | flat[j:j + len(keys)].astype(np.uint64)
+        order = np.argsort(keys, kind="stable")
+        self.keys = keys[order]
+        self.order = order.astype(np.int32) if len(order) < 2**31 else order  # (half the memory)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -31,10 +31,10 @@ class PromptLookupDrafter:
     forward_s, adapter_calls = 0.0, 0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 8, max_matches: int = 8,
-                 datastore: Datastore | None = None, datastore_matches: int = 16):
+                 datastore: Datastore | None = None, datastore_matches: int = 16, trust_ngram: int = TRUST_NGRAM):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_depth, self.max_matches = max_depth, max_matches
-        self.datastore, self.datastore_matches = datastore, datastore_matches
+        self.datastore, self.datastore_matches, self.trust_ngram = datastore, datastore_matches, trust_ngram
         self.name = "pld" if datastore is None else "rest"
 
     def reset(self) -> None:
@@ -63,7 +63,7 @@ class PromptLookupDrafter:
 
     def propose(self, tokens, features, budget) -> DraftTree:
         matches = [(n / self.max_ngram, path) for n, path in self.continuations(tokens)]
-        if self.datastore is not None and (not matches or matches[0][0] < TRUST_NGRAM / self.max_ngram):
+        if self.datastore is not None and (not matches or matches[0][0] < self.trust_ngram / self.max_ngram):
             n, paths = self.datastore.continuations(tokens, self.max_depth, self.datastore_matches)
             matches = [(n / self.datastore.ngram, path) for path in paths] + matches
         return vote_tree(tokens[-1], [path for _, path in matches], budget, [s for s, _ in matches])
