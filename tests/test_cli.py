@@ -237,14 +237,18 @@ def test_available_methods_follow_the_drafter(tmp_path):
     from treeflash.models.dflash import DFlashDrafter
     from treeflash.models.dflash_config import DFlashConfig
 
-    assert available_methods("smollm2-135m-instruct", None) == ["ar", "pld", "dflash", "ddtree", "treeflash", "tfm"]
+    assert available_methods("smollm2-135m-instruct", None) == ["ar", "pld", "rest", "dflash", "ddtree", "treeflash",
+                                                                "tfm"]  # a datastore and drafters ship for it
     config = DFlashConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=8, vocab_size=50, num_target_layers=2,
                           target_layer_ids=[0, 1], block_size=4)
     drafter = DFlashDrafter(config)
     drafter.save_pretrained(tmp_path / "dflash")
     drafter.add_ar_layer().save_pretrained(tmp_path / "treeflash")
-    assert available_methods("smollm2-135m-instruct", str(tmp_path / "dflash")) == ["ar", "pld", "dflash", "ddtree"]
+    assert available_methods("smollm2-135m-instruct", str(tmp_path / "dflash")) == ["ar", "pld", "rest", "dflash",
+                                                                                     "ddtree"]
+    assert available_methods(str(tmp_path), None) == ["ar", "pld"]  # nothing ships for this one
+    assert available_methods(str(tmp_path), None, datastore="d") == ["ar", "pld", "rest"]
     assert "treeflash" in available_methods("smollm2-135m-instruct", str(tmp_path / "treeflash"))
     assert "tfm" in available_methods("smollm2-135m-instruct", str(tmp_path / "dflash"), weaver="w")
 
@@ -257,7 +261,8 @@ def test_the_default_method_is_the_fastest_measured_on_the_device(tmp_path):
     from treeflash.cli.decode import _choose_method
 
     def chosen(device, drafter=None):
-        args = Namespace(method=None, target="smollm2-135m-instruct", drafter=drafter, weaver=None, device=device)
+        args = Namespace(method=None, target="smollm2-135m-instruct", drafter=drafter, weaver=None, datastore=None,
+                         device=device)
         _choose_method(args)
         return args.method
     assert chosen("cpu") == "pld"
