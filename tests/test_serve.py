@@ -131,7 +131,7 @@ def method_server(request, smollm2, reference):
 @pytest.mark.real
 def test_every_method_answers_as_plain_decoding(method_server, reference, smollm2):
     url, method = method_server
-    assert method in ("ar", "pld", "dflash", "ddtree", "treeflash", "tfm")
+    assert method in ("ar", "pld", "rest", "dflash", "ddtree", "treeflash", "tfm")
     c = client(url)
     (chat_prompt, chat_tokens), (raw_prompt, raw_tokens) = reference["chat"], reference["completion"]
     chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
