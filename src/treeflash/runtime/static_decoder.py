@@ -60,11 +60,10 @@ def unsupported_reason(model) -> str | None:
 # SmolLM2's products at 1 / 4 / 17 rows, int4 kernel 19 / 35 / 110 ms, packed fp32 43 / 67 / 88 ms (AVX2)
 DENSE_ROWS = {torch.bfloat16: 6, torch.float32: 12}
 # The compiled layer keeps the 4-bit kernel one row further: its products at 6 rows cost more than the dense
-# copy's, but the dense path is eager and reads 4x the bytes, so a whole 6-row SmolLM2 verify is cheaper compiled
-# (10.3 / 13.1 / 18.2 ms against 13.2 / 15.9 / 18.3 ms on the dense copy at 200 / 600 / 1200 positions). Beyond,
-# the compiled attention's cost grows faster with rows x positions: 8 rows are cheaper compiled at 200 positions
-# (11.3 against 14.4 ms) but dearer at 1200 (22.2 against 20.0), 12 rows 31.3 against 25.3 there (AVX512-BF16,
-# docs/results/rest). Its LM head (not in the layer) takes the dense copy from DENSE_ROWS on.
+# copy's, but the dense path is eager and reads 4x the bytes, so a whole 6-row SmolLM2 verify is as cheap or cheaper
+# compiled (10.1 / 13.4 / 18.2 ms against 13.1 / 15.4 / 18.0 ms at 200 / 600 / 1200 positions). Beyond, the compiled
+# attention's cost grows faster with rows x positions: 12 rows cost 15.6 / 21.7 / 30.7 ms compiled against 15.3 /
+# 20.0 / 25.9 (AVX512-BF16, docs/results/rest). Its LM head (not in the layer) takes the dense copy from DENSE_ROWS.
 COMPILED_ROWS = 6
 
 
