@@ -24,11 +24,11 @@ from test_lossless import repetitive_prompt
 from test_train import STORE_META
 
 
-def plain_continuations(sequences, context, ngram, max_depth):
-    """The longest n (up to ngram) whose last n context tokens occur in a sequence with at least one token after,
+def plain_continuations(sequences, context, ngram, max_depth, min_ngram=1):
+    """The longest n (from ngram down to min_ngram) whose last n context tokens occur in a sequence with at least one token after,
     and what follows every such occurrence (up to max_depth tokens, within its sequence): a scan of every
     position."""
-    for n in range(min(ngram, len(context)), 0, -1):
+    for n in range(min(ngram, len(context)), min_ngram - 1, -1):
         gram = context[-n:]
         paths = [seq[i + n:i + n + max_depth] for seq in sequences for i in range(len(seq) - n + 1)
                  if seq[i:i + n] == gram and i + n < len(seq)]
@@ -41,11 +41,11 @@ sequences = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=30), min_s
 
 
 @settings(max_examples=200, deadline=None)
-@given(sequences, st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(1, 6))
-def test_continuations_equal_a_plain_scan(seqs, context, max_depth):
+@given(sequences, st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(1, 6), st.integers(1, 3))
+def test_continuations_equal_a_plain_scan(seqs, context, max_depth, min_ngram):
     datastore = Datastore.from_sequences(seqs, vocab_size=6)
-    n, paths = datastore.continuations(context, max_depth, max_matches=10_000)
-    want_n, want = plain_continuations(seqs, context, datastore.ngram, max_depth)
+    n, paths = datastore.continuations(context, max_depth, max_matches=10_000, min_ngram=min_ngram)
+    want_n, want = plain_continuations(seqs, context, datastore.ngram, max_depth, min_ngram)
     assert n == want_n
     assert sorted(paths) == sorted(want)  # every occurrence once, none across two sequences
 
@@ -88,6 +88,9 @@ def test_the_datastore_drafts_only_where_the_context_match_is_short():
     alone = [5, 11, 12]  # nothing repeats in the context: the datastore's continuation
     assert rest.propose(alone, None, 3).tokens == (12, 13, 14)
     assert pld.propose(alone, None, 3).tokens == (12,)  # (a root alone: no draft)
+    assert rest.propose([5, 12], None, 3).tokens == (12,)  # one token in common: too weak a match to draft from
+    assert PromptLookupDrafter(datastore=datastore, datastore_min_ngram=1).propose([5, 12], None, 3).tokens == \
+        (12, 13, 14)
 
 
 @pytest.mark.parametrize("seed", range(2))

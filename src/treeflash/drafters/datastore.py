@@ -52,13 +52,13 @@ class Datastore:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def continuations(self, context: list[int], max_depth: int = 8,
-                      max_matches: int = 16) -> tuple[int, list[list[int]]]:
+    def continuations(self, context: list[int], max_depth: int = 8, max_matches: int = 16,
+                      min_ngram: int = 1) -> tuple[int, list[list[int]]]:
         """(n, paths): the longest n (up to `ngram`) whose last n tokens of `context` occur in the datastore, and
         the tokens that followed up to `max_matches` of those occurrences (at most `max_depth` each, none past
         the end of its sequence). Occurrences are sorted by what follows them, so an even spread over them keeps
         the continuations' shares: the paths' votes estimate how often each continuation follows."""
-        for n in range(min(self.ngram, len(context)), 0, -1):
+        for n in range(min(self.ngram, len(context)), min_ngram - 1, -1):
             gram = context[-n:]
             if max(gram) >= self.vocab_size or min(gram) < 0:
                 return 0, []  # a token the datastore cannot hold
