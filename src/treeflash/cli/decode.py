@@ -111,9 +111,9 @@ def cmd_serve(args) -> None:
 
 # --method left out, by device: the fastest method measured there. On a CPU, prompt lookup: with the 4-bit target its
 # rounds cost almost nothing, and the block drafters' cost an AR step or more, so cost-aware speculation runs them
-# at about ar's speed; rest (prompt lookup with a datastore) is faster on code and math (1.26-1.34x ar against
-# 1.14-1.16x) but slower on chat (1.05x against 1.14x, docs/results/rest); on a GPU a tree verifies for little more
-# than one token
+# at about ar's speed; rest (prompt lookup with a datastore) is faster on code and math (1.24-1.40x ar against
+# 1.14-1.19x) but not reliably on chat (1.04x against 1.13x, docs/results/rest); on a GPU a tree verifies for
+# little more than one token
 DEFAULT_METHODS = {"cpu": ("pld",), "cuda": ("treeflash", "ddtree", "dflash2-tree", "pld")}
 
 
