@@ -5,7 +5,8 @@ import random
 import pytest
 
 from treeflash import Sampling, generate
-from treeflash.drafters import make_drafter
+from treeflash.drafters import PromptLookupDrafter, make_drafter
+from treeflash.drafters.datastore import Datastore
 
 from conftest import OracleTreeDrafter
 
@@ -26,8 +27,16 @@ def test_methods_match_ar_on_tiny_targets(tiny, seed):
     prompt = repetitive_prompt(rng, vocab)
     ar = generate(tiny, make_drafter("ar"), prompt, max_new_tokens=60).tokens
     assert len(ar) == 60
+    # rest's datastore: the answer itself with a few tokens changed, and noise (right and wrong drafts both)
+    wrong = [t if rng.random() < 0.9 else rng.randrange(vocab) for t in ar]
+    noise = [[rng.randrange(vocab) for _ in range(50)] for _ in range(5)]
+    rest = PromptLookupDrafter(datastore=Datastore.from_sequences([wrong] + noise, vocab))
     for budget in (1, 4, 16):
         assert generate(tiny, make_drafter("pld"), prompt, 60, budget=budget).tokens == ar
+        result = generate(tiny, rest, prompt, 60, budget=budget)
+        assert result.tokens == ar
+        if budget == 4:
+            assert result.tau > generate(tiny, make_drafter("pld"), prompt, 60, budget=4).tau  # the datastore drafted
         oracle = OracleTreeDrafter(ar, len(prompt), vocab, seed=seed)
         result = generate(tiny, oracle, prompt, 60, budget=budget)
         assert result.tokens == ar
