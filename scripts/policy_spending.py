@@ -32,9 +32,9 @@ def main(method: str, dataset: str, limit: int = 10) -> None:
         log.append({"kind": kind})
         return drafts
 
-    def logged_observe(trees, paths, committed, draft_s, verify_s, drafted):
+    def logged_observe(trees, paths, committed, draft_s, verify_s, drafted, context=None):
         log[-1].update(committed=committed, seconds=draft_s + verify_s)
-        return observe(trees, paths, committed, draft_s, verify_s, drafted)
+        return observe(trees, paths, committed, draft_s, verify_s, drafted, context)
 
     policy.should_draft, policy.observe = logged_should_draft, logged_observe
     total = sum(generate(target, drafter, target.encode_prompt(p), 128).seconds

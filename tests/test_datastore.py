@@ -22,9 +22,9 @@ from test_train import STORE_META
 
 
 def plain_continuations(sequences, context, ngram, max_depth, min_ngram=1):
-    """The longest n (from ngram down to min_ngram) whose last n context tokens occur in a sequence with at least one token after,
-    and what follows every such occurrence (up to max_depth tokens, within its sequence): a scan of every
-    position."""
+    """The longest n (from ngram down to min_ngram) whose last n context tokens occur in a sequence with at least
+    one token after, and what follows every such occurrence (up to max_depth tokens, within its sequence): a scan of
+    every position."""
     for n in range(min(ngram, len(context)), min_ngram - 1, -1):
         gram = context[-n:]
         paths = [seq[i + n:i + n + max_depth] for seq in sequences for i in range(len(seq) - n + 1)

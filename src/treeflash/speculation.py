@@ -34,10 +34,11 @@ BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # verif
 # grows with its rows times the context, so costs taken at 128 made trees of 3-4 nodes look cheaper than they are
 # there (prompt lookup on GSM8K: 1.15x ar with them, 1.20x with these, against 1.26x at a fixed budget of 2)
 COST_CONTEXT = 256
-# ... and a longer one, for how costs grow with the context: at 1,200 positions a 4-row SmolLM2 verify costs twice
-# what it costs at 200 (13.7 against 7.0 ms), and a policy that priced every tree at 256 positions verified 10-node
-# trees of prompt lookup from a datastore at 45-50 ms on long chat prompts (docs/results/rest)
-LONG_COST_CONTEXT = 4 * COST_CONTEXT
+# ... and one this many times longer, for how costs grow with the context: at 1,200 positions a 4-row SmolLM2
+# verify costs twice what it costs at 200 (13.7 against 7.0 ms), and a policy that priced every tree at 256
+# positions verified 10-node trees of prompt lookup from a datastore at 45-50 ms on long chat prompts
+# (docs/results/rest)
+LONG_COST_FACTOR = 4
 
 
 def cost_context(target, context: int = COST_CONTEXT) -> int:
@@ -51,7 +52,8 @@ class VerifyCosts:
     at another context, plus `slopes` (seconds per position, by bucket) times the difference. Refreshed by every
     round."""
 
-    def __init__(self, seconds: dict[int, float], context: int = COST_CONTEXT, slopes: dict[int, float] | None = None):
+    def __init__(self, seconds: dict[int, float], context: int = COST_CONTEXT,
+                 slopes: dict[int, float] | None = None):
         self.sizes = sorted(seconds)
         self.seconds = [seconds[n] for n in self.sizes]
         self.context = context
@@ -62,7 +64,7 @@ class VerifyCosts:
     def measure(cls, target, max_tokens: int, context: int = COST_CONTEXT, repeats: int = 3) -> "VerifyCosts":
         """Time verifications of random trees on dummy contexts of two lengths (it starts a sequence: call before
         prefill)."""
-        near, far = cost_context(target, context), cost_context(target, LONG_COST_CONTEXT * context // COST_CONTEXT)
+        near, far = cost_context(target, context), cost_context(target, LONG_COST_FACTOR * context)
         costs = cls.timed(cls.verifier(target, near), target.device, target.config.vocab_size, max_tokens, repeats)
         if far <= near:  # a short-context model: costs at one length
             return costs

@@ -139,8 +139,9 @@ def _require_weaver(args) -> None:
 
 def available_methods(target: str, drafter: str | None, weaver: str | None = None,
                       datastore: str | None = None) -> list[str]:
-    """The methods that can run: ar, pld, rest with a datastore (named, or shipped for the target), and the block methods of the named drafter (else of the drafters shipped
-    for the target): treeflash needs an AR layer, tfm a Weaver (named, or shipped with the shipped drafter)."""
+    """The methods that can run: ar, pld, rest with a datastore (named, or shipped for the target), and the block
+    methods of the named drafter (else of the drafters shipped for the target): treeflash needs an AR layer, tfm a
+    Weaver (named, or shipped with the shipped drafter)."""
     from pathlib import Path
 
     from ..drafters.load import default_weaver_path, shipped_datastore, shipped_drafter

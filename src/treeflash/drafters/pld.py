@@ -70,12 +70,13 @@ class PromptLookupDrafter:
         return paths
 
     def propose(self, tokens, features, budget) -> DraftTree:
-        matches = [(n / self.max_ngram, path) for n, path in self.continuations(tokens)]
-        if self.datastore is not None and (not matches or matches[0][0] < self.trust_ngram / self.max_ngram):
-            n, paths = self.datastore.continuations(tokens, self.max_depth, self.datastore_matches,
+        matches = self.continuations(tokens)  # longest n first
+        paths, strengths = [path for _, path in matches], [n / self.max_ngram for n, _ in matches]
+        if self.datastore is not None and (not matches or matches[0][0] < self.trust_ngram):
+            n, found = self.datastore.continuations(tokens, self.max_depth, self.datastore_matches,
                                                     self.datastore_min_ngram)
-            matches = [(n / self.datastore.ngram, path) for path in paths] + matches
-        return vote_tree(tokens[-1], [path for _, path in matches], budget, [s for s, _ in matches])
+            paths, strengths = found + paths, [n / self.datastore.ngram] * len(found) + strengths
+        return vote_tree(tokens[-1], paths, budget, strengths)
 
 
 def vote_tree(root: int, paths: list[list[int]], budget: int, strengths: list[float] | None = None) -> DraftTree:
