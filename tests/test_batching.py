@@ -117,7 +117,7 @@ def test_batched_drafting_equals_each_sequence_alone():
     for i, n in enumerate((3, 17, 9)):
         ctx = ContextCache(model, capacity=4)
         features = torch.randn(n, 2, 64, generator=torch.Generator().manual_seed(i))
-        ctx.append(model.context_kv(model.fuse(features), torch.arange(n)))
+        ctx.append(*model.context_states(features, torch.arange(n))[1:])
         contexts.append(ctx)
         roots.append(5 + i)
     batched = model.draft_states_batch(roots, contexts)

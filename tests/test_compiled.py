@@ -1,7 +1,8 @@
 """The compiled decoder layer (`models/compiled_layer.py`, `--compile`) against the eager reference
 (`static_decoder.decoder_layer`): the same logits within fp32 rounding for trees, batches and every row count it
 takes, the same tokens for every method, few graphs, and a clear refusal where it has no compiled form. The same
-for the drafter's compiled block forward (`models/compiled_block.py`) against `DFlashDrafter.hidden`."""
+for the drafter's compiled block forward and catch-up (`models/compiled_block.py`) against `DFlashDrafter.hidden`,
+`fuse` and `context_kv`."""
 
 import random
 import shutil
@@ -160,27 +161,44 @@ def compiled_drafter(compiled):
     return model
 
 
-def draft_both(model, root: int, cache: ContextCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block's drafted states, compiled and eager (the eager path writes scratch after the context only)."""
-    out = model.draft_states(root, len(cache), cache)
+def draft_both(model, root: int, cache: ContextCache, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's drafted states, compiled (its last layer on the first depth + 1 positions only) and eager (every
+    position, the first `depth` kept; it writes scratch after the context only)."""
+    out = model.draft_states(root, len(cache), cache, depth)
     block, model.compiled_block = model.compiled_block, None
     try:
-        return out, model.draft_states(root, len(cache), cache)
+        return out, model.draft_states(root, len(cache), cache, depth)
     finally:
         model.compiled_block = block
 
 
+def eager_context_states(model, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`context_states` through its eager reference (`fuse`, `context_kv`)."""
+    compiled, model.compiled_context = model.compiled_context, None
+    try:
+        return model.context_states(taps, positions)
+    finally:
+        model.compiled_context = compiled
+
+
 @needs_compiler
-def test_compiled_block_equals_eager_over_contexts_that_grow(compiled_drafter):
-    """Context lengths and cache capacities it never saw (symbolic after the warm-up: no new graph)."""
+def test_compiled_block_and_catch_up_equal_eager_over_contexts_that_grow(compiled_drafter):
+    """Context lengths, catch-up lengths, depths and cache capacities it never saw (symbolic after the warm-up: no
+    new graph)."""
     model, rng = compiled_drafter, random.Random(5)
+    assert model.compiled_context is not None
     graphs = counters["stats"]["unique_graphs"]
     cache = ContextCache(model, capacity=8)
-    for new in (2, 3, 9, 2, 30):  # 8 -> 16 -> 64: the buffers double as the context grows
+    depths = (None, 1, 5, 2, model.config.block_size)  # every drafted position, or the first few (more: all)
+    for new, depth in zip((2, 1, 9, 2, 30), depths):  # 8 -> 16 -> 64: the buffers double as the context grows
         taps = torch.randn(new, len(model.config.target_layer_ids), model.config.hidden_size)
-        with torch.no_grad():  # as decoding observes
-            cache.append(model.context_kv(model.fuse(taps), torch.arange(len(cache), len(cache) + new)))
-        out, ref = draft_both(model, rng.randrange(96), cache)
+        positions = torch.arange(len(cache), len(cache) + new)
+        states = model.context_states(taps, positions)
+        for out, ref in zip(states, eager_context_states(model, taps, positions)):
+            torch.testing.assert_close(out, ref, atol=COMPILED_FP32_ATOL, rtol=0)
+        cache.append(*states[1:])
+        out, ref = draft_both(model, rng.randrange(96), cache, depth)
+        assert len(out) == min(depth or model.config.block_size, model.config.block_size - 1)
         torch.testing.assert_close(out, ref, atol=COMPILED_FP32_ATOL, rtol=0)
     assert counters["stats"]["unique_graphs"] == graphs
 
@@ -205,4 +223,5 @@ def test_drafters_without_a_compiled_form_or_toolchain_draft_eager(compiled, mon
         return forward
     monkeypatch.setattr("treeflash.models.compiled_block.compile_block", broken)
     model = compiled_like(compiled, tiny_drafter(compiled))
-    assert model.compiled_block is None and "drafting eager: C++ compile error" in caplog.text
+    assert model.compiled_block is None and model.compiled_context is None
+    assert "drafting eager: C++ compile error" in caplog.text

@@ -131,7 +131,7 @@ def test_context_cache_grows():
     model = tiny_drafter(target)
     cache, feats = ContextCache(model, capacity=4), torch.randn(30, 2, 64)
     for a in range(0, 30, 7):
-        cache.append(model.context_kv(model.fuse(feats[a:a + 7]), torch.arange(a, min(a + 7, 30))))
+        cache.append(*model.context_states(feats[a:a + 7], torch.arange(a, min(a + 7, 30)))[1:])
     whole = model.context_kv(model.fuse(feats), torch.arange(30))
     assert len(cache) == 30
     torch.testing.assert_close(model.draft_states(5, 30, cache), model.draft_states(5, 30, whole))

@@ -181,7 +181,7 @@ def test_batched_drafting_equals_the_reference_batch(tmp_path, target, reference
     caches = []
     for taps in (taps0, taps1):
         cache = ContextCache(ours)
-        cache.append(ours.context_kv(ours.fuse(taps), torch.arange(CONTEXT)))
+        cache.append(*ours.context_states(taps, torch.arange(CONTEXT))[1:])
         caches.append(cache)
     h = ours.draft_states_batch([ROOT, 7], caches)
     torch.testing.assert_close(ours.norm(h), expected, atol=PARITY_ATOL, rtol=PARITY_RTOL)

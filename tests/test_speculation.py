@@ -52,6 +52,22 @@ def test_policy_drafts_smaller_trees_after_long_contexts():
     assert far < near
 
 
+def test_the_policy_drafts_twice_what_it_chose_lately():
+    """`reach`: the tree size a round drafts follows the prefixes chosen (at least MIN_REACH, at most max_budget),
+    decaying towards twice the latest and doubling when a round chose all it drafted."""
+    policy = Policy(costs(100.0), 32)  # each node costs ten AR steps: nothing pays
+    assert policy.reach == 32  # nothing chosen yet: the largest tree
+    reaches = []
+    for _ in range(12):
+        policy.choose([DraftTree.chain(0, list(range(1, policy.reach + 1)), probs=[0.9] * policy.reach)])
+        reaches.append(policy.reach)
+    assert reaches[:3] == [24, 18, 13] and reaches[-1] == Policy.MIN_REACH
+    policy.costs = Policy(costs(0.01), 32).costs  # verification almost free: every node pays
+    for expected in (8, 16, 32, 32):
+        policy.choose([DraftTree.chain(0, list(range(1, policy.reach + 1)), probs=[0.9] * policy.reach)])
+        assert policy.reach == expected
+
+
 def test_calibration_learns_the_observed_acceptance():
     cal = Calibration(prior=4.0)
     tree = DraftTree.chain(0, [1, 2], probs=[0.9, 0.9])  # the drafter says 0.9 at every depth

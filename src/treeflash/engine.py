@@ -202,7 +202,7 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     counted = lanes.counters()
     context = max(len(s.tokens) for s in seqs)  # what the trees attend to (the policy prices their verification)
     if drafted:
-        trees = lanes.propose(seqs, [budget] * len(seqs))
+        trees = lanes.propose(seqs, [min(budget, policy.reach) if policy else budget] * len(seqs))
         if policy:
             trees = policy.choose(trees, context)
     else:  # plain AR steps: the drafters' contexts catch up at their next call

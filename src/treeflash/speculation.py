@@ -231,10 +231,16 @@ class Policy:
     # AR steps' time: a long paying stretch funds a few probes after it, not a long losing one; and drafting that
     # is predicted to pay stops when it has lost this much (a stale calibration), until the allowance repays it
     CREDIT_CAP = 16
+    # `reach`, the tree size a round drafts: twice the largest prefix chosen lately, never under MIN_REACH. Drafting
+    # max_budget nodes only to cut them to 2-4 made a CPU round's tree build 2-3x dearer (TreeFlash, TfM); a text
+    # that gets easier doubles the reach every round that chooses all of it, and it decays by REACH_DECAY a round
+    MIN_REACH = 4
+    REACH_DECAY = 0.75
 
     def __init__(self, costs: VerifyCosts | BatchCosts, max_budget: int):
         self.costs = costs if isinstance(costs, BatchCosts) else BatchCosts({1: costs})
         self.max_budget = max_budget
+        self.reach = max_budget  # (see above)
         self.calibration = Calibration()
         self.draft_s: float | None = None  # EMA of the drafting time (forward + tree build)
         self.gain: float | None = None  # EMA of a drafted round's predicted gain over an AR step, in tokens
@@ -273,6 +279,7 @@ class Policy:
         net = [e - rate * c for e, c in zip(expected, self.costs.table(size + 1, len(trees), context))]
         n = max(range(size + 1), key=net.__getitem__)  # the first of equal maxima, as argmax
         gain = net[n] - net[0]
+        self.reach = min(self.max_budget, max(self.MIN_REACH, 2 * n, int(self.REACH_DECAY * self.reach)))
         # a probe after AR rounds judges the text as it is now: the average of the drafted rounds is stale
         self.gain = gain if self.skipped else _ema(self.gain, gain)
         return [tree.prefix(min(n, tree.size)) for tree in trees]

@@ -54,20 +54,22 @@ class BlockDrafter:
         """Append the injected K/V of newly committed positions (features [m, n_taps, H])."""
         observe_all([self], [features])
 
-    def draft(self, tokens, features) -> torch.Tensor:
-        """One drafter forward: pre-norm states [γ - 1, H] of the block after the root tokens[-1]."""
+    def draft(self, tokens, features, depth: int | None = None) -> torch.Tensor:
+        """One drafter forward: pre-norm states [depth, H] of the block after the root tokens[-1] (None: all
+        γ - 1)."""
         clock = self.model.fc.weight.device if self.synced_timing else CPU  # (the CPU's clock never waits)
         start = now(clock)
         if features is not None and len(features):
             self.observe(features)
         assert self.ctx_len == len(tokens) - 1, "the drafter's context must cover every committed position"
-        h = self.model.draft_states(tokens[-1], self.ctx_len, self.context)
+        h = self.model.draft_states(tokens[-1], self.ctx_len, self.context, depth)
         self.forward_s += now(clock) - start
         return h
 
     @torch.no_grad()
     def propose(self, tokens, features, budget) -> DraftTree:
-        return self.tree(tokens, self.draft(tokens, features), budget)
+        # a tree of B nodes is at most B deep: the block's first B drafted positions are all it reads
+        return self.tree(tokens, self.draft(tokens, features, max(budget, 1)), budget)
 
     @staticmethod
     @torch.no_grad()
@@ -125,14 +127,13 @@ def observe_all(drafters: list[BlockDrafter], features: list[torch.Tensor]) -> N
     """`BlockDrafter.observe` for several drafters on one model (a batch's sequences): one fuse and one K/V
     projection over all their new positions (features[i] [m_i, n_taps, H], m_i >= 1), split among their contexts."""
     model = drafters[0].model
-    fused = model.fuse(torch.cat(features))
     positions = torch.cat([torch.arange(d.ctx_len, d.ctx_len + len(f)) for d, f in zip(drafters, features)])
-    kv = model.context_kv(fused, upload(positions, fused.device))
+    fused, k, v = model.context_states(torch.cat(features), upload(positions, model.fc.weight.device))
     at = 0
     for d, f in zip(drafters, features):
         m = len(f)
         d.last_feature = fused[at + m - 1]
-        d.context.append([(k[at:at + m], v[at:at + m]) for k, v in kv])
+        d.context.append(k[:, :, at:at + m], v[:, :, at:at + m])
         at += m
 
 

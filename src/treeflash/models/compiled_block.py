@@ -1,5 +1,6 @@
-"""The DFlash drafter's block forward, compiled: `torch.compile` (inductor, C++ wrapper) over its decoder layers for
-one block of one sequence, the forward of every drafting round.
+"""The DFlash drafter's inference forwards, compiled: `torch.compile` (inductor, C++ wrapper) over its decoder layers
+for one block of one sequence (`compile_block`, every drafting round), and over the fusion and K/V projection of
+newly committed positions (`compile_context`, the context's catch-up before it).
 
 Eager, a round's forward over a 3-layer drafter runs about 40 small ops a layer (norms, q/k norms, RoPE, the
 cache write, SDPA) around seven products; compiled, they fuse into a few loops around the products. The weights
@@ -9,7 +10,8 @@ nothing is frozen: a drafter whose weights change is compiled again by `DFlashDr
 The block attends to the context's cached K/V and to its own K/V as two score blocks under one softmax, so the
 cache is read, never written (the eager path writes the block's K/V after the context, as scratch).
 
-`DFlashDrafter.hidden` over a `ContextCache` is the eager reference; tests hold this one to it.
+`DFlashDrafter.hidden` over a `ContextCache` is the eager reference of the block, `DFlashDrafter.fuse` and
+`context_kv` that of the catch-up; tests hold the compiled forwards to them.
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ def block_weights(model) -> tuple[torch.Tensor, ...]:
 
 def compile_block(c: DFlashConfig, dtype: torch.dtype) -> Callable:
     """The compiled block forward of drafters shaped as config `c`, computing in `dtype`; called as
-    forward(tokens, ctx_len, k_cache, v_cache, *block_weights(model)) with the block's tokens [γ] (the root, then
-    mask tokens) and a `ContextCache`'s buffers holding the context in their first ctx_len positions. Returns the
-    block's final states before the final norm [γ, H], as `DFlashDrafter.hidden`."""
+    forward(tokens, ctx_len, rows, k_cache, v_cache, *block_weights(model)) with the block's tokens [γ] (the root,
+    then mask tokens) and a `ContextCache`'s buffers holding the context in their first ctx_len positions. Returns
+    the final states before the final norm of the block's first `rows` positions [rows, H], as
+    `DFlashDrafter.hidden`: every layer but the last runs all γ positions (the block attends to itself both ways),
+    the last one only the rows a tree reads (its attention, output product and MLP: a quarter of the products when
+    the tree is small)."""
     heads, kv_heads, hd, eps, theta = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
                                        c.rope_theta)
     qd, kvd, groups = heads * hd, kv_heads * hd, heads // kv_heads
@@ -54,26 +59,64 @@ def compile_block(c: DFlashConfig, dtype: torch.dtype) -> Callable:
     def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # in fp32, as blocks.RMSNorm
         return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
-    def forward(tokens, ctx_len: int, k_cache, v_cache, embed, *weights):
+    def forward(tokens, ctx_len: int, rows: int, k_cache, v_cache, embed, *weights):
         g = tokens.shape[0]
         positions = ctx_len + torch.arange(g, device=tokens.device)
         h = F.embedding(tokens, embed).to(dtype)
-        for i in range(len(weights) // 8):
+        layers = len(weights) // 8
+        for i in range(layers):
             in_norm, post_norm, qkv, q_norm, k_norm, o, gate_up, down = weights[8 * i: 8 * i + 8]
             x = F.linear(norm(h, in_norm), qkv)
-            q = rope(norm(x[:, :qd].view(g, heads, hd), q_norm), positions, theta)
             k = rope(norm(x[:, qd:qd + kvd].view(g, kv_heads, hd), k_norm), positions, theta)
             v = x[:, qd + kvd:].view(g, kv_heads, hd)
+            n = rows if i == layers - 1 else g  # the queries whose states the next layer (or the tree) reads
+            h = h[:n]
+            q = rope(norm(x[:n, :qd].view(n, heads, hd), q_norm), positions[:n], theta)
             # grouped-query attention: a KV head's query heads become rows; context and block as two score blocks
-            q = q.transpose(0, 1).reshape(kv_heads, groups * g, hd).float()
+            q = q.transpose(0, 1).reshape(kv_heads, groups * n, hd).float()
             ctx_k, ctx_v = k_cache[i, :, :ctx_len].float(), v_cache[i, :, :ctx_len].float()
             scores = torch.cat([q @ ctx_k.transpose(1, 2), q @ k.transpose(0, 1).float().transpose(1, 2)], dim=-1)
             p = (scores * hd ** -0.5).softmax(-1)
             out = p[..., :ctx_len] @ ctx_v + p[..., ctx_len:] @ v.transpose(0, 1).float()
-            out = out.to(dtype).reshape(heads, g, hd).transpose(0, 1).reshape(g, qd)
+            out = out.to(dtype).reshape(heads, n, hd).transpose(0, 1).reshape(n, qd)
             h = h + F.linear(out, o)
             gate, up = F.linear(norm(h, post_norm), gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, down)
         return h
+
+    return torch.compile(forward, options={"cpp_wrapper": True}, dynamic=None)
+
+
+def context_weights(model) -> tuple[torch.Tensor, ...]:
+    """A DFlash drafter's tensors in the compiled context forward's order: `fc`, the hidden norm, then per layer its
+    k|v rows (one product) and k norm."""
+    weights = [model.fc.weight.detach(), model.hidden_norm.weight.detach()]
+    for layer in model.layers:
+        a = layer.self_attn
+        weights += [torch.cat([a.k_proj.weight, a.v_proj.weight]).detach(), a.k_norm.weight.detach()]
+    return tuple(weights)
+
+
+def compile_context(c: DFlashConfig, dtype: torch.dtype) -> Callable:
+    """The compiled catch-up of drafters shaped as config `c`, computing in `dtype`; called as
+    forward(taps, positions, *context_weights(model)) with the target's taps [m, n_taps, H] of m committed
+    positions at `positions` [m]. Returns their fused features [m, H] and injected keys and values, each
+    [layers, kv_heads, m, head_dim] (a `ContextCache`'s layout): `DFlashDrafter.context_states`. Eager, it is about
+    30 small ops around four products, 0.4 ms a round on a 2-core CPU for a position or two."""
+    kv_heads, hd, eps, theta = c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # in fp32, as blocks.RMSNorm
+        return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+
+    def forward(taps, positions, fc, hidden_norm, *weights):
+        m = taps.shape[0]
+        fused = norm(F.linear(taps.flatten(-2).to(dtype), fc), hidden_norm)
+        keys, values = [], []
+        for kv, k_norm in zip(weights[0::2], weights[1::2]):
+            x = F.linear(fused, kv)
+            k = rope(norm(x[:, :kv_heads * hd].view(m, kv_heads, hd), k_norm), positions, theta)
+            keys.append(k.transpose(0, 1))
+            values.append(x[:, kv_heads * hd:].view(m, kv_heads, hd).transpose(0, 1))
+        return fused, torch.stack(keys), torch.stack(values)
 
     return torch.compile(forward, options={"cpp_wrapper": True}, dynamic=None)

@@ -46,13 +46,12 @@ class ContextCache:
             self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
             self.k[:, :, :self.length], self.v[:, :, :self.length] = k[:, :, :self.length], v[:, :, :self.length]
 
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Per layer (k, v) [m, kv_heads, head_dim] of m new positions."""
-        m = len(kv[0][0])
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values [layers, kv_heads, m, head_dim] of m new positions (`DFlashDrafter.context_states`)."""
+        m = k.shape[2]
         self.reserve(self.length + m)
-        for i, (k, v) in enumerate(kv):
-            self.k[i, :, self.length:self.length + m] = k.transpose(0, 1)
-            self.v[i, :, self.length:self.length + m] = v.transpose(0, 1)
+        self.k[:, :, self.length:self.length + m] = k
+        self.v[:, :, self.length:self.length + m] = v
         self.length += m
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -82,6 +81,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None = None  # inference only: token ids the LM head scores (use_draft_vocab)
         self.backbone_folder: Path | None = None  # loaded as an AR layer over this DFlash folder (see save_pretrained)
         self.compiled_block: tuple | None = None  # (the compiled block forward, its weights): `compile_block`
+        self.compiled_context: tuple | None = None  # (the compiled catch-up, its weights): `compile_block` too
         self.apply(self._init)
         self.ar_layer = None
         if c.ar_layer:
@@ -136,6 +136,19 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the injected keys/values of fused context features ctx [C, H] at `positions` [C]."""
         return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
+
+    @torch.no_grad()
+    def context_states(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Inference: the fused features [m, H] of m committed positions (the target's taps [m, n_taps, H]) at
+        `positions` [m], and their injected keys and values, each [layers, kv_heads, m, head_dim] (what a
+        ContextCache appends). Compiled after `compile_block`; `fuse` and `context_kv` are the reference."""
+        if self.compiled_context is not None:
+            forward, weights = self.compiled_context
+            return forward(taps, positions, *weights)
+        fused = self.fuse(taps)
+        kv = self.context_kv(fused, positions)
+        return (fused, torch.stack([k.transpose(0, 1) for k, _ in kv]),
+                torch.stack([v.transpose(0, 1) for _, v in kv]))
 
     def block_tokens(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [N, γ] of N blocks [token, mask x (γ-1)]."""
@@ -225,35 +238,44 @@ class DFlashDrafter(nn.Module):
         return self
 
     @torch.no_grad()
-    def draft_states(self, root: int, position: int, ctx_kv) -> torch.Tensor:
-        """Inference: pre-norm states [γ - 1, H] of the drafted positions of the block after `root` (at
-        `position`), given the cached context K/V."""
-        device = self.fc.weight.device
+    def draft_states(self, root: int, position: int, ctx_kv, depth: int | None = None) -> torch.Tensor:
+        """Inference: pre-norm states [depth, H] of the first `depth` drafted positions (None: all γ - 1) of the
+        block after `root` (at `position`), given the cached context K/V. The compiled forward runs its last layer
+        on those positions only; the eager one (the reference) runs every position."""
+        device, g = self.fc.weight.device, self.config.block_size
+        depth = g - 1 if depth is None else min(depth, g - 1)
         roots = upload(torch.tensor([root]), device)
         if self.compiled_block is not None and isinstance(ctx_kv, ContextCache) and position == len(ctx_kv):
             forward, weights = self.compiled_block
-            return forward(self.block_tokens(roots)[0], position, ctx_kv.k, ctx_kv.v, *weights)[1:]
+            return forward(self.block_tokens(roots)[0], position, depth + 1, ctx_kv.k, ctx_kv.v, *weights)[1:]
         x = self.block_inputs(roots)
-        positions = position + torch.arange(self.config.block_size, device=device)
-        return self.hidden(x, positions, ctx_kv, None)[1:]
+        positions = position + torch.arange(g, device=device)
+        return self.hidden(x, positions, ctx_kv, None)[1:depth + 1]
 
     @torch.no_grad()
     def compile_block(self) -> "DFlashDrafter":
-        """Run `draft_states` over a ContextCache through the compiled block forward (`compiled_block.py`) from
-        now on, compiled here, on a snapshot of the weights (inference only: call it again after they change).
-        Raises ValueError for a drafter without a compiled form; where inductor fails, the drafter stays eager and
-        the error propagates."""
-        from .compiled_block import block_weights, compile_block
+        """Run `draft_states` over a ContextCache and `context_states` through compiled forwards
+        (`compiled_block.py`) from now on, compiled here, on a snapshot of the weights (inference only: call it
+        again after they change). Raises ValueError for a drafter without a compiled form; where inductor fails,
+        the drafter stays eager and the error propagates."""
+        from .compiled_block import block_weights, compile_block, compile_context, context_weights
 
-        self.compiled_block = None
+        self.compiled_block = self.compiled_context = None
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
         weights = block_weights(self)
-        forward = compile_block(self.config, self.fc.weight.dtype)
-        # two context lengths and capacities now, so that both are symbolic before the first timed round (a
+        forward = compile_block(self.config, dtype)
+        # two context lengths, capacities and depths now, so that all are symbolic before the first timed round (a
         # context of one position, a one-token prompt's, keeps a graph of its own: dynamo specialises sizes of 1)
-        block = self.block_tokens(torch.zeros(1, dtype=torch.long, device=self.fc.weight.device))[0]
-        for cache, length in ((ContextCache(self), 1), (ContextCache(self, capacity=64), 20)):
-            forward(block, length, cache.k, cache.v, *weights)
-        self.compiled_block = (forward, weights)
+        g = self.config.block_size
+        block = self.block_tokens(torch.zeros(1, dtype=torch.long, device=device))[0]
+        for cache, length, rows in ((ContextCache(self), 1, g), (ContextCache(self, capacity=64), 20, min(3, g))):
+            forward(block, length, rows, cache.k, cache.v, *weights)
+        catch_up, catch_up_weights = compile_context(self.config, dtype), context_weights(self)
+        taps = len(self.config.target_layer_ids)
+        for m in (1, 2, 3):  # one position (an AR step's) has a graph of its own; 2 and 3 make m symbolic
+            catch_up(torch.zeros(m, taps, self.config.hidden_size, dtype=dtype, device=device),
+                     torch.arange(m, device=device), *catch_up_weights)
+        self.compiled_block, self.compiled_context = (forward, weights), (catch_up, catch_up_weights)
         return self
 
     @torch.no_grad()

@@ -209,6 +209,7 @@ class DFlash2Drafter(nn.Module):
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered (nor saved)
         self.ar_layer = None  # none: the borrowed DFlash forward asks
         self.compiled_block = None  # the borrowed draft_states asks: no compiled form (a scaled embedding)
+        self.compiled_context = None  # (and the borrowed context_states)
 
     # ---- the target's modules: DFlashDrafter's (the same config fields and checks) -------------------------------
     attach = DFlashDrafter.attach
@@ -219,6 +220,7 @@ class DFlash2Drafter(nn.Module):
     fuse = DFlashDrafter.fuse
     block_tokens = DFlashDrafter.block_tokens
     context_kv = DFlashDrafter.context_kv
+    context_states = DFlashDrafter.context_states
     forward = DFlashDrafter.forward  # training: the block states of many anchors over one sequence's context
 
     def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
