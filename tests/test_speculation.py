@@ -142,6 +142,28 @@ def test_a_paying_stretch_earns_probes():
     assert probes(1600, 1800) <= probes(800, 1000) + 1
 
 
+def test_drafting_predicted_to_pay_stops_after_losing_loss_cap_steps():
+    """Rounds the policy predicts to pay but which lose (a stale cost or calibration): drafting stops once they
+    have lost LOSS_CAP AR steps since their best point, and comes back as a probe, at the probes' pace."""
+    step = 0.011
+    policy = Policy(costs(1.0), 8)
+    policy.gain, policy.draft_s, policy.credit = 10.0, 0.0001, 0.0  # predicted to pay, whatever happens
+    tree = DraftTree.chain(0, [1], probs=[0.9])
+
+    def round_(saved_steps: float) -> bool:
+        drafted = policy.should_draft()
+        seconds = (2 - saved_steps) * step if drafted else step
+        policy.observe([tree if drafted else DraftTree.chain(0)], [[0, 1] if drafted else [0]], 2 if drafted else 1,
+                       0.0, seconds, drafted)
+        return drafted
+    assert all(round_(+1.0) for _ in range(10))  # paying: no drawdown
+    losing = 0
+    while round_(-1.0):  # each round now loses an AR step
+        losing += 1
+    assert losing == Policy.LOSS_CAP  # it stopped at the cap, from its best point (the paying rounds do not count)
+    assert policy.gain == 0.0 and not any(round_(-1.0) for _ in range(Policy.PROBE_GAP - 1))
+
+
 def test_a_probe_that_pays_resumes_drafting_at_once():
     """A probe judges the text as it is now (not the stale average of the rounds before the AR stretch), and its
     drafting time, which includes the context's catch-up, does not count as the drafter's cost."""

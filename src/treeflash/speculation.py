@@ -228,9 +228,12 @@ class Policy:
     # interval that grew 4x per misleading probe; 0.98-0.99x with the credit)
     PROBE_SHARE = 0.01
     PROBE_GAP = 4  # AR rounds at least between probes, however rich the credit
-    # AR steps' time: a long paying stretch funds a few probes after it, not a long losing one; and drafting that
-    # is predicted to pay stops when it has lost this much (a stale calibration), until the allowance repays it
+    # AR steps' time: a long paying stretch funds a few probes after it, not a long losing one
     CREDIT_CAP = 16
+    # drafting that is predicted to pay stops once it has lost this many AR steps' time since its best point (a
+    # calibration or a cost gone stale, a slow minute); drafting again is then a probe, judged afresh. (The credit
+    # bound it before: 16 steps below zero, after up to 16 above, lost 1.5 % of treeflash's time on GSM8K T = 0.)
+    LOSS_CAP = 4
     # `reach`, the tree size a round drafts: twice the largest prefix chosen lately, never under MIN_REACH. Drafting
     # max_budget nodes only to cut them to 2-4 made a CPU round's tree build 2-3x dearer (TreeFlash, TfM); a text
     # that gets easier doubles the reach every round that chooses all of it, and it decays by REACH_DECAY a round
@@ -247,6 +250,7 @@ class Policy:
         self.tokens, self.seconds = 1.0, self.costs(1)  # EMAs whose ratio is λ, the achieved tokens per second
         self.skipped = 0  # AR rounds since the last drafting round
         self.credit = 0.0  # seconds (see above)
+        self.drawdown = 0.0  # seconds the rounds predicted to pay lost since their best point (<= 0; see LOSS_CAP)
         self.step = self.costs(1)  # seconds of a plain AR step (of the last round's batch)
         self.probe_loss: float | None = None  # EMA of the seconds a probe lost against AR steps
 
@@ -257,8 +261,10 @@ class Policy:
     def should_draft(self) -> bool:
         if self.gain is None or self.draft_s is None:
             return True
-        if self.gain > self.rate * self.draft_s:  # predicted to pay: drafts while its losses stay under the cap (a
-            return self.credit > -self.CREDIT_CAP * self.step  # probe's catch-up; a calibration gone stale)
+        if self.gain > self.rate * self.draft_s:  # predicted to pay: drafts while its losses stay under the cap
+            if self.drawdown > -self.LOSS_CAP * self.step:
+                return True
+            self.gain, self.drawdown = 0.0, 0.0  # it did not pay: the next drafting round is a probe
         # a probe: the text may have become easier to draft
         return self.skipped >= self.PROBE_GAP and self.credit >= max(self.probe_loss or 0.0, 0.0)
 
@@ -299,6 +305,7 @@ class Policy:
                 self.credit += saved
                 if self.skipped:
                     self.probe_loss = _ema(self.probe_loss, -saved)
+                self.drawdown = 0.0 if self.skipped else min(self.drawdown + saved, 0.0)
             if not self.skipped or self.draft_s is None:
                 self.draft_s = _ema(self.draft_s, draft_s)
             else:  # a probe's time includes the context's catch-up after the AR rounds: an upper bound of the
