@@ -1,0 +1,76 @@
+"""Where a block drafter's drafting round goes on a CPU, each part timed right after a target AR step (the cache
+state of a real round: the target's 4-bit weights have just streamed through it), every variant interleaved in one
+loop so that machine drift hits them alike (issue 29, item 3).
+
+    python scripts/drafting_round_parts.py --out docs/results/cheap-rounds/parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from treeflash.clock import now
+from treeflash.drafters import make_drafter
+from treeflash.eval.datasets import load_prompts
+from treeflash.runtime import Target
+from treeflash.tree import DraftTree
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=60)
+    p.add_argument("--out")
+    args = p.parse_args()
+    target = Target.load(dtype="auto", compile="auto")  # the command line's defaults
+    drafter = make_drafter("ddtree", target)
+    model = drafter.model
+    prompt = target.encode_prompt(load_prompts("gsm8k", limit=1)[0])
+    taps = target.prefill(prompt, taps=drafter.taps).hidden
+    drafter.reset()
+    drafter.observe(taps)
+    one, position = taps[-1:], torch.tensor([len(prompt)])
+    compiled = model.compiled_context
+
+    def eager_catch_up():
+        model.compiled_context = None
+        model.context_states(one, position)
+        model.compiled_context = compiled
+
+    def ar_step():
+        target.verify(DraftTree.chain(5))
+        target.discard()
+
+    parts = {"ar step (verify, no commit)": ar_step,
+             "catch-up of 1 position, compiled": lambda: model.context_states(one, position),
+             "catch-up of 1 position, eager": eager_catch_up}
+    for depth in (15, 4, 2):
+        parts[f"block forward, states of {depth} drafted positions"] = \
+            lambda depth=depth: model.draft_states(5, drafter.ctx_len, drafter.context, depth)
+    h = model.draft_states(5, drafter.ctx_len, drafter.context)
+    for budget in (2, 4, 16):
+        parts[f"ddtree tree build, budget {budget}"] = lambda budget=budget: drafter.tree(prompt + [5], h, budget)
+    times = {name: [] for name in parts}
+    with torch.no_grad():
+        for f in parts.values():
+            f(), f()
+        for _ in range(args.repeats):
+            for name, f in parts.items():
+                ar_step()
+                start = now(target.device)
+                f()
+                times[name].append(now(target.device) - start)
+    medians = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    step = medians["ar step (verify, no commit)"]
+    for name, ms in medians.items():
+        print(f"{name:50s} {ms:6.2f} ms  {ms / step:5.2f}x the AR step")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"ms": medians, "repeats": args.repeats, "prompt_tokens": len(prompt)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
