@@ -251,6 +251,12 @@ def test_available_methods_follow_the_drafter(tmp_path):
     assert available_methods(str(tmp_path), None, datastore="d") == ["ar", "pld", "rest"]
     assert "treeflash" in available_methods("smollm2-135m-instruct", str(tmp_path / "treeflash"))
     assert "tfm" in available_methods("smollm2-135m-instruct", str(tmp_path / "dflash"), weaver="w")
+    from treeflash.models.eagle3 import Eagle3Config, Eagle3Drafter
+
+    Eagle3Drafter(Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=8, vocab_size=50, draft_vocab_size=50,
+                               target_layer_ids=[0, 1, 1])).save_pretrained(tmp_path / "eagle3")
+    assert available_methods("smollm2-135m-instruct", str(tmp_path / "eagle3")) == ["ar", "pld", "rest", "eagle3"]
 
 
 def test_the_default_method_is_the_fastest_measured_on_the_device(tmp_path):

@@ -128,7 +128,8 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default=None, help="DFlash drafter folder for dflash/ddtree/tfm "
-                   "(default: the one shipped for the target), or a DFlash2 folder for dflash2 / dflash2-tree (none ships)")
+                   "(default: the one shipped for the target), a DFlash2 folder for dflash2 / dflash2-tree, or an "
+                   "EAGLE-3 folder for eagle3 (none ships)")
     p.add_argument("--datastore", default=None, metavar="FOLDER",
                    help="datastore for rest: the target's own answers, indexed (written by `treeflash data datastore`; "
                    "default: the one shipped for the target)")
@@ -342,15 +343,21 @@ def build_parser() -> Parser:
     tq.add_argument("--conv-kernel-size", type=_positive_int, help="Kc, taps of the causal convs (2)")
     tq.add_argument("--conv-group-size", type=_positive_int, help="channels per dynamic kernel (16)")
     tq.add_argument("--selector-weight", type=float, help="weight of the selector's loss (1)")
+    te = tr.add_parser("eagle3", help="train an EAGLE-3 drafter (one layer, training-time test) on regenerated "
+                       "data (torchrun for DDP)")
+    te.add_argument("--init", help="a trained EAGLE-3 drafter folder to go on training (its sizes are kept)")
+    te.add_argument("--ttt-steps", type=_positive_int, help="training-time-test steps, each weighted 0.8^j (7)")
     for t in (td, tq, tt):
         t.add_argument("--grad-checkpoint", action="store_true", help="recompute the drafter's layers in the "
                        "backward pass instead of keeping their activations (less memory, one more forward)")
     for t in (td, tt):
         t.add_argument("--kl-topk", type=int, help="sparse forward KL over the target's top-k (0: full)")
+    for t in (td, tt, te):
         t.add_argument("--draft-vocab", type=int, metavar="N",
                        help="train on the N tokens most frequent in the answers, the FR-Spec rows the drafter scores "
                        "at inference (0: the whole vocabulary; default: a trained drafter's own, else 4096)")
-    for t, out in ((td, "runs/dflash"), (tq, "runs/dflash2"), (tt, "runs/treeflash"), (tw, "runs/weaver")):
+    for t, out in ((td, "runs/dflash"), (tq, "runs/dflash2"), (tt, "runs/treeflash"), (tw, "runs/weaver"),
+                   (te, "runs/eagle3")):
         t.add_argument("--data",
                        help=f"answer store written by `treeflash data regen` ({DEFAULT_STORE}), or several, commas")
         t.add_argument("--data-dir", help="where the prompt sets are, read back by id "
@@ -376,6 +383,6 @@ def build_parser() -> Parser:
         t.add_argument("--keep-every", type=int, help="keep drafter snapshots every N steps (0: no)")
         t.add_argument("--seed", type=int)
         t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
-    for t in (td, tq, tt, tw):  # the defaults are the typed configs' (train/config.py)
+    for t in (td, tq, tt, tw, te):  # the defaults are the typed configs' (train/config.py)
         t.set_defaults(**{f.name: f.default for f in fields(RUNS[t.prog.split()[-1]]) if f.name != "out"})
     return parser

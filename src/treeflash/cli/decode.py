@@ -146,10 +146,13 @@ def available_methods(target: str, drafter: str | None, weaver: str | None = Non
 
     from ..drafters.load import default_weaver_path, shipped_datastore, shipped_drafter
     from ..models.dflash2 import is_dflash2
+    from ..models.eagle3 import is_eagle3
 
     methods = ["ar", "pld"] + (["rest"] if datastore or shipped_datastore(target) else [])
     if drafter and is_dflash2(drafter):  # its own methods only: the DFlash ones cannot read its layers
         return methods + ["dflash2", "dflash2-tree"]
+    if drafter and is_eagle3(drafter):
+        return methods + ["eagle3"]
     if drafter or shipped_drafter(target, "dflash"):
         methods += ["dflash", "ddtree"]
     if drafter:

@@ -15,10 +15,10 @@ def cmd_export(args) -> None:
 def cmd_train(args) -> None:
     from dataclasses import fields
 
-    from ..train import dflash, dflash2, weaver
+    from ..train import dflash, dflash2, eagle3, weaver
     from ..train.config import RUNS
 
     kind = RUNS[args.train_command]
     run = kind(**{f.name: getattr(args, f.name) for f in fields(kind)})
-    trainer = {"weaver": weaver, "dflash2": dflash2}.get(run.kind, dflash)
+    trainer = {"weaver": weaver, "dflash2": dflash2, "eagle3": eagle3}.get(run.kind, dflash)
     print(json.dumps(trainer.run(run)))

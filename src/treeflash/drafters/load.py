@@ -11,10 +11,12 @@ from ..models.dflash import DFlashDrafter
 
 from ..models.dflash_io import draft_vocab
 from ..models.dflash2 import DFlash2Drafter, is_dflash2
+from ..models.eagle3 import Eagle3Drafter, is_eagle3
 from ..runtime.packed import pack_linears
 from ..models.weaver import Weaver
 from .block import BlockDrafter, block_drafter, drafting_dtype
 from .datastore import FILE as DATASTORE_FILE, Datastore
+from .eagle3 import Eagle3Decoder
 from .pld import PromptLookupDrafter
 
 log = logging.getLogger(__name__)
@@ -117,3 +119,14 @@ def load_dflash2_drafter(target, path: str | Path | None, method: str = "dflash2
         raise DrafterError(f"{path} is not a DFlash2 drafter (config.json's architectures lack DFlash2DraftModel)")
     model = DFlash2Drafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     return block_drafter(pack_linears(model.attach(target.model).to(target.device)), method)
+
+
+def load_eagle3_drafter(target, path: str | Path | None) -> Eagle3Decoder:
+    """Method eagle3 over the EAGLE-3 drafter in `path` (ours, or SpecForge's layout; none ships)."""
+    if path is None:
+        raise FileNotFoundError("no EAGLE-3 drafter ships with treeflash: pass --drafter PATH (one trained by "
+                                "`treeflash train eagle3`, or a SpecForge / SGLang EAGLE-3 folder)")
+    if not is_eagle3(path):
+        raise DrafterError(f"{path} is not an EAGLE-3 drafter (config.json's architectures lack LlamaForCausalLMEagle3)")
+    model = Eagle3Drafter.from_pretrained(path, dtype=drafting_dtype(target.device))
+    return Eagle3Decoder(pack_linears(model.attach(target.model).to(target.device)))

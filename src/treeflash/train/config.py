@@ -99,4 +99,12 @@ class DFlash2Run(FreshDrafterRun):
     grad_checkpoint: bool = False
 
 
-RUNS = {c.kind: c for c in (DFlashRun, TreeFlashRun, WeaverRun, DFlash2Run)}
+@dataclass
+class Eagle3Run(TrainRun):
+    kind: ClassVar[str] = "eagle3"
+    init: str | None = None  # a trained EAGLE-3 drafter to go on training
+    draft_vocab: int | None = None  # None: 4,096 (as the DFlash drafters); 0: the whole vocabulary
+    ttt_steps: int = 7  # training-time-test steps (EAGLE-3's 7)
+
+
+RUNS = {c.kind: c for c in (DFlashRun, TreeFlashRun, WeaverRun, DFlash2Run, Eagle3Run)}
