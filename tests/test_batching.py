@@ -14,12 +14,14 @@ import treeflash.batching
 from treeflash import DraftTree, generate
 from treeflash.batching import BatchEngine, BatchTarget
 from treeflash.drafters import block_drafter, make_drafter
+from treeflash.drafters.eagle3 import Eagle3Decoder
 from treeflash.models.dflash import ContextCache
 from treeflash.runtime import TargetError
 from treeflash.tree import random_tree
 
 from conftest import tiny_target
 from test_dflash import tiny_drafter
+from test_eagle3 import tiny_eagle3
 from test_lossless import repetitive_prompt
 from test_speculation import costs
 from test_treeflash import treeflash_drafter
@@ -135,6 +137,7 @@ def drafters(target, references):
     yield block_drafter(treeflash_drafter(target, seed=1), "treeflash", top_m=4)
     model = tiny_drafter(target, seed=1)
     yield block_drafter(model, "tfm", weaver=tiny_weaver(model), width=2)
+    yield Eagle3Decoder(tiny_eagle3(target, seed=1))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -146,6 +146,25 @@ def test_the_specforge_layout_round_trips(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_a_specforge_folder_without_taps_loads_with_the_engines_default_taps(tmp_path):
+    """SpecForge's config names no taps (SGLang and vLLM then take layers 1, L / 2 - 1, L - 4) and may carry the
+    target's embedding beside the drafter; both load."""
+    from safetensors.torch import save_file
+
+    target = tiny_target("llama", num_hidden_layers=8)
+    model = tiny_eagle3(target)
+    model.save_pretrained(tmp_path, dtype=torch.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["eagle_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    state = load_file(str(tmp_path / "model.safetensors"))
+    save_file({**state, "embed_tokens.weight": torch.zeros(96, 64)}, str(tmp_path / "model.safetensors"))
+    loaded = Eagle3Drafter.from_pretrained(tmp_path)
+    assert loaded.config.target_layer_ids is None
+    assert loaded.attach(target.model).config.target_layer_ids == [1, 3, 4] == eagle3_taps(8)
+    assert Eagle3Decoder(loaded).taps == (1, 3, 4)
+
+
 def test_train_and_generate_from_the_command_line(tmp_path, tiny_folder, capsys):  # noqa: F811
     write_store(tmp_path, tiny_folder)
     out = tmp_path / "run"

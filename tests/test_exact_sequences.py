@@ -20,10 +20,12 @@ from treeflash import Sampling, generate
 from treeflash.batching import BatchEngine
 from treeflash.drafters import PromptLookupDrafter, block_drafter, make_drafter
 from treeflash.drafters.datastore import Datastore
+from treeflash.drafters.eagle3 import Eagle3Decoder
 
 from conftest import tiny_target
 from test_dflash import tiny_drafter
 from test_dflash2 import dflash2_folder
+from test_eagle3 import tiny_eagle3
 from test_sampling import biased_accept, transformers_probs
 from test_treeflash import treeflash_drafter
 from test_weaver import tiny_weaver
@@ -33,7 +35,7 @@ PROMPT = [1, 4, 2, 3, 1, 4, 2, 3, 1]  # repeated: prompt lookup finds matches
 SAMPLING = Sampling(temperature=0.9, top_k=3, top_p=0.8)  # all three processors, each cutting somewhere
 SINGLE, BATCHED, BATCH = 400, 600, 50  # samples one sequence at a time, and in batches of BATCH
 PASS_P, FAIL_P = 1e-3, 1e-6  # an exact method passes at 1e-3 (0.1 % false alarms per test); a control fails at 1e-6
-METHODS = ("ar", "pld", "rest", "dflash", "ddtree", "treeflash", "tfm", "dflash2", "dflash2-tree")
+METHODS = ("ar", "pld", "rest", "dflash", "ddtree", "treeflash", "tfm", "dflash2", "dflash2-tree", "eagle3")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,8 @@ def drafters(target, tmp_path_factory):
             "treeflash": block_drafter(treeflash_drafter(target), "treeflash", top_m=4, top_n=8),
             "tfm": block_drafter(backbone, "tfm", weaver=tiny_weaver(backbone, top_k=4), width=2),
             "dflash2": make_drafter("dflash2", target, folder),
-            "dflash2-tree": make_drafter("dflash2-tree", target, folder)}
+            "dflash2-tree": make_drafter("dflash2-tree", target, folder),
+            "eagle3": Eagle3Decoder(tiny_eagle3(target, seed=1, draft_vocab=VOCAB), top_k=2)}
 
 
 @pytest.fixture(scope="module")

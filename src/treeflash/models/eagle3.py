@@ -43,7 +43,7 @@ class Eagle3Config:
     head_dim: int
     vocab_size: int
     draft_vocab_size: int
-    target_layer_ids: list[int]
+    target_layer_ids: list[int] | None  # None (a published config naming none): the engines' default, at attach
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     extra: dict = field(default_factory=dict)  # other fields of a published config, written back as they were
@@ -64,10 +64,11 @@ class Eagle3Config:
         d = asdict(self)
         extra = d.pop("extra")
         taps = d.pop("target_layer_ids")
+        eagle = {**extra.get("eagle_config", {}), "use_aux_hidden_state": True}
+        if taps is not None:
+            eagle["eagle_aux_hidden_state_layer_ids"] = taps
         return {**extra, "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
-                "hidden_act": "silu", "tie_word_embeddings": False, **d,
-                "eagle_config": {**extra.get("eagle_config", {}), "eagle_aux_hidden_state_layer_ids": taps,
-                                 "use_aux_hidden_state": True}}
+                "hidden_act": "silu", "tie_word_embeddings": False, **d, "eagle_config": eagle}
 
     @classmethod
     def from_json(cls, raw: dict) -> "Eagle3Config":
@@ -77,14 +78,13 @@ class Eagle3Config:
         if raw.get("num_hidden_layers", 1) != 1:
             raise ValueError("an EAGLE-3 drafter has one decoder layer")
         taps = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-        if taps is None:  # the default of the engines that read such a config
-            taps = eagle3_taps(int(raw.get("num_target_layers") or raw["target_num_hidden_layers"]))
         heads = raw["num_attention_heads"]
         fields = dict(hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
                       num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads", heads),
                       head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
                       draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
-                      target_layer_ids=list(taps), rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                      target_layer_ids=None if taps is None else list(taps),
+                      rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
                       rope_theta=(raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", 1e6)))
         known = set(fields) | {"architectures", "model_type", "num_hidden_layers", "hidden_act",
                                "tie_word_embeddings"}
@@ -142,7 +142,7 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         c = self.config = config
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(3 * c.hidden_size, c.hidden_size, bias=False)  # three taps
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -157,7 +157,11 @@ class Eagle3Drafter(nn.Module):
     def attach(self, target_model) -> "Eagle3Drafter":
         """Use the target's token embedding; refuse a target this drafter does not fit."""
         c, tc = self.config, target_model.config.get_text_config(decoder=True)
+        if c.target_layer_ids is None:  # the taps SGLang and vLLM take for a config that names none
+            c.target_layer_ids = eagle3_taps(tc.num_hidden_layers)
         problems = []
+        if len(c.target_layer_ids) != 3:
+            problems.append(f"{len(c.target_layer_ids)} taps, not 3")
         if tc.hidden_size != c.hidden_size:
             problems.append(f"hidden size {c.hidden_size} vs the target's {tc.hidden_size}")
         if tc.vocab_size != c.vocab_size:
