@@ -80,33 +80,31 @@ class Eagle3Decoder:
         # nodes: token, parent, path score, probability given the parent; node 0 is the root
         tokens, parents, scores, probs = [root], [-1], [0.0], [1.0]
         ancestors = [[]]  # per node, the expanded nodes (rows of the tree's K/V below) on its path, itself included
-        keys, values, rows = [], [], {}  # K/V of the expanded nodes, and each one's row
+        keys, values = [], []  # K/V of the expanded nodes, a tensor per depth
         frontier, states = [0], self.state[None]  # the nodes to expand, and the outputs that predict their children
         for d in range(1, depth + 1):
             logp = torch.log_softmax(model.scores(states).float(), dim=-1)  # [f, V']
             top, idx = logp.topk(min(width, logp.shape[-1]), dim=-1)
-            path = torch.tensor([scores[n] for n in frontier], device=device)[:, None] + top  # [f, k]
-            best = path.flatten().topk(min(width, path.numel())).indices.tolist()
+            path = (torch.tensor([scores[n] for n in frontier], device=device)[:, None] + top).flatten()  # [f k]
             children = []
-            for i in best:
-                parent, j = frontier[i // top.shape[1]], i % top.shape[1]
+            for i in path.topk(min(width, len(path))).indices.tolist():
+                row, j = divmod(i, top.shape[1])
                 children.append(len(tokens))
-                tokens.append(int(vocab[idx[i // top.shape[1], j]]))
-                parents.append(parent)
-                scores.append(float(path.flatten()[i]))
-                probs.append(float(top[i // top.shape[1], j].exp()))
-                ancestors.append(ancestors[parent])
+                tokens.append(int(vocab[idx[row, j]]))
+                parents.append(frontier[row])
+                scores.append(float(path[i]))
+                probs.append(float(top[row, j].exp()))
+                ancestors.append(ancestors[frontier[row]])
             if d == depth:
                 break
             # expand the new frontier: [its tokens' embeddings ; its parents' outputs] at position C - 1 + d
-            parent_rows = torch.tensor([frontier.index(parents[n]) for n in children], device=device)
             emb = model.embed(torch.tensor([tokens[n] for n in children], device=device))
-            state = states[parent_rows]
+            state = states[torch.tensor([frontier.index(parents[n]) for n in children], device=device)]
             positions = torch.full((len(children),), self.ctx_len - 1 + d, device=device)
             q, k, v = model.midlayer.qkv(emb, state, positions)
-            for n, r in zip(children, range(len(children))):
-                rows[n] = len(rows)
-                ancestors[n] = ancestors[n] + [rows[n]]
+            expanded = sum(map(len, keys))
+            for i, n in enumerate(children):
+                ancestors[n] = ancestors[n] + [expanded + i]
             keys.append(k)
             values.append(v)
             tree_k, tree_v = torch.cat(keys), torch.cat(values)
