@@ -60,8 +60,9 @@ class Eagle3Decoder:
         state = self.model.fuse(features.to(device))
         q, k, v = self.model.midlayer.qkv(emb, state, positions)
         self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
-        causal = torch.arange(start + m, device=device)[None, :] <= positions[:, None]
-        self.state = self.model.midlayer.finish(state, attend(q, self.k, self.v, causal))[-1]
+        # the first call (the prompt) is plainly causal; later ones see the whole cached context before them
+        mask = None if start == 0 else torch.arange(start + m, device=device)[None, :] <= positions[:, None]
+        self.state = self.model.midlayer.finish(state, attend(q, self.k, self.v, mask, causal=start == 0))[-1]
 
     @torch.no_grad()
     def propose(self, tokens: list[int], features: torch.Tensor | None, budget: int) -> DraftTree:

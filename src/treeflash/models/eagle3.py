@@ -127,11 +127,15 @@ class MidLayer(nn.Module):
         return h + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [T, heads, d] over k, v [M, kv_heads, d] (grouped-query), where mask [T, M] (None: all) -> [T, heads, d]."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           causal: bool = False) -> torch.Tensor:
+    """q [T, heads, d] over k, v [M, kv_heads, d] (grouped-query), where mask [T, M] (None: all), or causally (T ==
+    M: SDPA's fused kernel, where an explicit mask over a long prompt takes its quadratic math path) -> [T, heads,
+    d]."""
     groups = q.shape[1] // k.shape[1]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).to(q.dtype),
-                                         v.transpose(0, 1).to(q.dtype), attn_mask=mask, enable_gqa=groups > 1)
+                                         v.transpose(0, 1).to(q.dtype), attn_mask=mask, is_causal=causal,
+                                         enable_gqa=groups > 1)
     return out.transpose(0, 1)
 
 
