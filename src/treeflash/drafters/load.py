@@ -127,6 +127,7 @@ def load_eagle3_drafter(target, path: str | Path | None) -> Eagle3Decoder:
         raise FileNotFoundError("no EAGLE-3 drafter ships with treeflash: pass --drafter PATH (one trained by "
                                 "`treeflash train eagle3`, or a SpecForge / SGLang EAGLE-3 folder)")
     if not is_eagle3(path):
-        raise DrafterError(f"{path} is not an EAGLE-3 drafter (config.json's architectures lack LlamaForCausalLMEagle3)")
+        raise DrafterError(f"{path} is not an EAGLE-3 drafter "
+                           "(config.json's architectures lack LlamaForCausalLMEagle3)")
     model = Eagle3Drafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     return Eagle3Decoder(pack_linears(model.attach(target.model).to(target.device)))

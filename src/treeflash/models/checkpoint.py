@@ -18,6 +18,19 @@ class DrafterError(ValueError):
     """A drafter checkpoint that cannot be used (unreadable, or it does not fit the target)."""
 
 
+def misfits(config, target_config) -> list[str]:
+    """What keeps a drafter of `config` (its hidden_size, vocab_size and target_layer_ids) off a target of
+    `target_config` (a text decoder's): empty where it fits."""
+    c, tc, problems = config, target_config, []
+    if tc.hidden_size != c.hidden_size:
+        problems.append(f"hidden size {c.hidden_size} vs the target's {tc.hidden_size}")
+    if tc.vocab_size != c.vocab_size:
+        problems.append(f"vocabulary {c.vocab_size} vs the target's {tc.vocab_size}")
+    if max(c.target_layer_ids) >= tc.num_hidden_layers:
+        problems.append(f"taps layers {c.target_layer_ids}, the target has {tc.num_hidden_layers}")
+    return problems
+
+
 def error_line(err: BaseException) -> str:
     """An exception's message as one line for a one-line error (its type where it has no message)."""
     return (str(err) or type(err).__name__).splitlines()[0]

@@ -20,7 +20,7 @@ from ..runtime import packed
 from . import dflash_io
 from .ar_layer import ARApproximation
 from .blocks import BlocksOverContext, Layer, RMSNorm
-from .checkpoint import DrafterError
+from .checkpoint import DrafterError, misfits
 from .dflash_config import DFlashConfig
 
 
@@ -104,14 +104,7 @@ class DFlashDrafter(nn.Module):
     # ---- the target's modules -------------------------------------------------------------------------------
     def attach(self, target_model) -> "DFlashDrafter":
         """Use the target's input embedding and LM head; refuse a target this drafter does not fit."""
-        c, tc = self.config, target_model.config.get_text_config(decoder=True)
-        problems = []
-        if tc.hidden_size != c.hidden_size:
-            problems.append(f"hidden size {c.hidden_size} vs the target's {tc.hidden_size}")
-        if tc.vocab_size != c.vocab_size:
-            problems.append(f"vocabulary {c.vocab_size} vs the target's {tc.vocab_size}")
-        if max(c.target_layer_ids) >= tc.num_hidden_layers:
-            problems.append(f"taps layers {c.target_layer_ids}, the target has {tc.num_hidden_layers}")
+        problems = misfits(self.config, target_model.config.get_text_config(decoder=True))
         if problems:
             raise DrafterError("this drafter does not fit the target: " + "; ".join(problems))
         self._target = (target_model.get_input_embeddings(), target_model.get_output_embeddings())

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .blocks import RMSNorm, rope
-from .checkpoint import DrafterError, load_strict, parse_config, read_config, read_weights
+from .checkpoint import DrafterError, load_strict, misfits, parse_config, read_config, read_weights
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -163,15 +163,9 @@ class Eagle3Drafter(nn.Module):
         c, tc = self.config, target_model.config.get_text_config(decoder=True)
         if c.target_layer_ids is None:  # the taps SGLang and vLLM take for a config that names none
             c.target_layer_ids = eagle3_taps(tc.num_hidden_layers)
-        problems = []
+        problems = misfits(c, tc)
         if len(c.target_layer_ids) != 3:
             problems.append(f"{len(c.target_layer_ids)} taps, not 3")
-        if tc.hidden_size != c.hidden_size:
-            problems.append(f"hidden size {c.hidden_size} vs the target's {tc.hidden_size}")
-        if tc.vocab_size != c.vocab_size:
-            problems.append(f"vocabulary {c.vocab_size} vs the target's {tc.vocab_size}")
-        if max(c.target_layer_ids) >= tc.num_hidden_layers:
-            problems.append(f"taps layers {c.target_layer_ids}, the target has {tc.num_hidden_layers}")
         if problems:
             raise DrafterError("this EAGLE-3 drafter does not fit the target: " + "; ".join(problems))
         self._embed = (target_model.get_input_embeddings(),)
