@@ -165,6 +165,16 @@ def test_a_specforge_folder_without_taps_loads_with_the_engines_default_taps(tmp
     assert Eagle3Decoder(loaded).taps == (1, 3, 4)
 
 
+def test_export_writes_the_layout_and_the_serving_commands(tmp_path, tiny_folder):  # noqa: F811
+    target = tiny_target("llama")
+    tiny_eagle3(target).save_pretrained(tmp_path / "mine")
+    assert main(["export", str(tmp_path / "mine"), "--to", str(tmp_path / "out"), "--target", tiny_folder]) == 0
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "out")
+    assert torch.equal(loaded.vocab_ids, Eagle3Drafter.from_pretrained(tmp_path / "mine").vocab_ids)
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "--speculative-algorithm EAGLE3" in readme and '"method": "eagle3"' in readme
+
+
 def test_train_and_generate_from_the_command_line(tmp_path, tiny_folder, capsys):  # noqa: F811
     write_store(tmp_path, tiny_folder)
     out = tmp_path / "run"

@@ -293,7 +293,8 @@ def build_parser() -> Parser:
 
     ex = sub.add_parser("export", help="write a drafter in the published DFlash (and TreeFlash) format, with the "
                         "command lines that serve it in SGLang and vLLM")
-    ex.add_argument("drafter", help="a DFlash or TreeFlash drafter folder (written by `treeflash train`)")
+    ex.add_argument("drafter", help="a DFlash, TreeFlash, DFlash2 or EAGLE-3 drafter folder (written by "
+                    "`treeflash train`)")
     ex.add_argument("--to", required=True, help="the folder to write")
     ex.add_argument("--target", default=DEFAULT_TARGET, help="the target it drafts for, named in the README's "
                     "command lines (default: the embedded one, as its Hub id)")

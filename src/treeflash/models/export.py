@@ -16,15 +16,18 @@ from ..runtime import hub_id
 from .checkpoint import DrafterError
 from .dflash import DFlashDrafter
 from .dflash2 import DFlash2Drafter, is_dflash2
+from .eagle3 import Eagle3Drafter, is_eagle3
 
 TREEFLASH_DIR = "treeflash"
 
 
 def export_drafter(source: str | Path, out: str | Path, target: str) -> dict:
-    """Write `source` (a DFlash, TreeFlash or DFlash2 drafter folder, adapters included) to `out`; returns a
-    summary."""
+    """Write `source` (a DFlash, TreeFlash, DFlash2 or EAGLE-3 drafter folder, adapters included) to `out`; returns
+    a summary."""
     if is_dflash2(source):
         return _export_dflash2(source, out, target)
+    if is_eagle3(source):
+        return _export_eagle3(source, out, target)
     drafter = DFlashDrafter.from_pretrained(source)
     c = drafter.config
     if c.mask_token_id is None:
@@ -63,6 +66,44 @@ DFlash's draft layers with a grouped dynamic causal conv around each sub-layer a
 
 - The reference implementation (`pip install dflash`): `DFlash2DraftModel.from_pretrained("{Path(out).resolve()}")`.
 - treeflash: `treeflash generate "Hello" --target {summary['target']} --drafter {Path(out).resolve()} --method dflash2`.
+""")
+    return summary
+
+
+def _export_eagle3(source: str | Path, out: str | Path, target: str) -> dict:
+    """An EAGLE-3 drafter, in SpecForge's `LlamaForCausalLMEagle3` layout (ours already), with the serving commands
+    of SGLang and vLLM (their EAGLE-3 methods; not run here)."""
+    drafter = Eagle3Drafter.from_pretrained(source)
+    drafter.save_pretrained(out)
+    c, out = drafter.config, Path(out).resolve()
+    summary = {"source": str(source), "out": str(out), "target": hub_id(target),
+               "architecture": "LlamaForCausalLMEagle3", "draft_vocab_size": c.draft_vocab_size,
+               "target_layer_ids": c.target_layer_ids}
+    vllm = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    (out / "README.md").write_text(f"""# An EAGLE-3 drafter for {summary['target']}
+
+Exported by `treeflash export` (treeflash {__version__}) from `{source}`, in SpecForge's `LlamaForCausalLMEagle3`
+layout: `fc` over the outputs of target layers {c.target_layer_ids} (`eagle_config.eagle_aux_hidden_state_layer_ids`),
+one decoder layer (`midlayer`), `norm`, `lm_head` over {c.draft_vocab_size} draft tokens with `d2t` / `t2d`. The
+target's token embedding is not included: the engines share the target's.
+
+## Serve it (these command lines were not run here)
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path {summary['target']} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 4 \\
+    --speculative-num-draft-tokens 8
+```
+
+vLLM:
+
+```bash
+vllm serve {summary['target']} --speculative-config '{vllm}'
+```
+
+treeflash: `treeflash generate "Hello" --target {summary['target']} --drafter {out} --method eagle3`.
 """)
     return summary
 
