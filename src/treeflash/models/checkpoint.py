@@ -37,11 +37,12 @@ def error_line(err: BaseException) -> str:
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], config: dict, folder: str | Path, dtype: torch.dtype) -> None:
-    """The save_pretrained layout: config.json and model.safetensors (weights cast to `dtype`)."""
+    """The save_pretrained layout: config.json and model.safetensors (floating tensors cast to `dtype`; integer and
+    boolean ones, e.g. EAGLE-3's vocabulary maps, kept as they are)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous() for k, v in state.items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -25,6 +25,11 @@ from .blocks import rope
 from .dflash_config import DFlashConfig
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """In fp32, as blocks.RMSNorm."""
+    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+
+
 def block_weights(model) -> tuple[torch.Tensor, ...]:
     """A DFlash drafter's tensors in the compiled forward's order: the (target's) embedding, then per layer its
     norms, q|k|v, q/k norms, o, gate|up and down. ValueError where it has no compiled form (a learned mask
@@ -56,9 +61,6 @@ def compile_block(c: DFlashConfig, dtype: torch.dtype) -> Callable:
                                        c.rope_theta)
     qd, kvd, groups = heads * hd, kv_heads * hd, heads // kv_heads
 
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # in fp32, as blocks.RMSNorm
-        return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
-
     def forward(tokens, ctx_len: int, rows: int, k_cache, v_cache, embed, *weights):
         g = tokens.shape[0]
         positions = ctx_len + torch.arange(g, device=tokens.device)
@@ -66,12 +68,12 @@ def compile_block(c: DFlashConfig, dtype: torch.dtype) -> Callable:
         layers = len(weights) // 8
         for i in range(layers):
             in_norm, post_norm, qkv, q_norm, k_norm, o, gate_up, down = weights[8 * i: 8 * i + 8]
-            x = F.linear(norm(h, in_norm), qkv)
-            k = rope(norm(x[:, qd:qd + kvd].view(g, kv_heads, hd), k_norm), positions, theta)
+            x = F.linear(rms_norm(h, in_norm, eps), qkv)
+            k = rope(rms_norm(x[:, qd:qd + kvd].view(g, kv_heads, hd), k_norm, eps), positions, theta)
             v = x[:, qd + kvd:].view(g, kv_heads, hd)
             n = rows if i == layers - 1 else g  # the queries whose states the next layer (or the tree) reads
             h = h[:n]
-            q = rope(norm(x[:n, :qd].view(n, heads, hd), q_norm), positions[:n], theta)
+            q = rope(rms_norm(x[:n, :qd].view(n, heads, hd), q_norm, eps), positions[:n], theta)
             # grouped-query attention: a KV head's query heads become rows; context and block as two score blocks
             q = q.transpose(0, 1).reshape(kv_heads, groups * n, hd).float()
             ctx_k, ctx_v = k_cache[i, :, :ctx_len].float(), v_cache[i, :, :ctx_len].float()
@@ -80,7 +82,7 @@ def compile_block(c: DFlashConfig, dtype: torch.dtype) -> Callable:
             out = p[..., :ctx_len] @ ctx_v + p[..., ctx_len:] @ v.transpose(0, 1).float()
             out = out.to(dtype).reshape(heads, n, hd).transpose(0, 1).reshape(n, qd)
             h = h + F.linear(out, o)
-            gate, up = F.linear(norm(h, post_norm), gate_up).chunk(2, dim=-1)
+            gate, up = F.linear(rms_norm(h, post_norm, eps), gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, down)
         return h
 
@@ -105,16 +107,13 @@ def compile_context(c: DFlashConfig, dtype: torch.dtype) -> Callable:
     30 small ops around four products, 0.4 ms a round on a 2-core CPU for a position or two."""
     kv_heads, hd, eps, theta = c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta
 
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # in fp32, as blocks.RMSNorm
-        return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
-
     def forward(taps, positions, fc, hidden_norm, *weights):
         m = taps.shape[0]
-        fused = norm(F.linear(taps.flatten(-2).to(dtype), fc), hidden_norm)
+        fused = rms_norm(F.linear(taps.flatten(-2).to(dtype), fc), hidden_norm, eps)
         keys, values = [], []
         for kv, k_norm in zip(weights[0::2], weights[1::2]):
             x = F.linear(fused, kv)
-            k = rope(norm(x[:, :kv_heads * hd].view(m, kv_heads, hd), k_norm), positions, theta)
+            k = rope(rms_norm(x[:, :kv_heads * hd].view(m, kv_heads, hd), k_norm, eps), positions, theta)
             keys.append(k.transpose(0, 1))
             values.append(x[:, kv_heads * hd:].view(m, kv_heads, hd).transpose(0, 1))
         return fused, torch.stack(keys), torch.stack(values)

@@ -13,17 +13,16 @@ checkpoints load and ours load in SGLang and vLLM. The token embedding is the ta
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
 from .blocks import RMSNorm, rope
-from .checkpoint import DrafterError, load_strict, misfits, parse_config, read_config, read_weights
+from .checkpoint import (DrafterError, load_strict, misfits, parse_config, read_config, read_weights,
+                         save_checkpoint)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -207,12 +206,7 @@ class Eagle3Drafter(nn.Module):
     # ---- save / load ------------------------------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """config.json and model.safetensors: the weights in `dtype`, the maps as they are (int64, bool)."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
-        state = {k: (v if k in ("d2t", "t2d") else v.to(dtype)).detach().contiguous()
-                 for k, v in self.state_dict().items()}
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_checkpoint(self.state_dict(), self.config.to_json(), folder, dtype)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
@@ -224,9 +218,7 @@ class Eagle3Drafter(nn.Module):
             state["t2d"], state["d2t"] = model.t2d, model.d2t
         load_strict(model, {k: v.bool() if k == "t2d" else v.long() if k == "d2t" else v for k, v in state.items()},
                     str(folder))
-        for name, p in model.named_parameters():
-            p.data = p.data.to(dtype)
-        return model.eval()
+        return model.to(dtype).eval()  # (the maps stay int64 and bool: `to` casts floating tensors only)
 
 
 def is_eagle3(folder: str | Path) -> bool:

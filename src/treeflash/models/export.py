@@ -80,10 +80,11 @@ def _export_eagle3(source: str | Path, out: str | Path, target: str) -> dict:
                "architecture": "LlamaForCausalLMEagle3", "draft_vocab_size": c.draft_vocab_size,
                "target_layer_ids": c.target_layer_ids}
     vllm = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    taps = c.target_layer_ids or "1, L / 2 - 1 and L - 4 (the engines' default: the config names none)"
     (out / "README.md").write_text(f"""# An EAGLE-3 drafter for {summary['target']}
 
 Exported by `treeflash export` (treeflash {__version__}) from `{source}`, in SpecForge's `LlamaForCausalLMEagle3`
-layout: `fc` over the outputs of target layers {c.target_layer_ids} (`eagle_config.eagle_aux_hidden_state_layer_ids`),
+layout: `fc` over the outputs of target layers {taps} (`eagle_config.eagle_aux_hidden_state_layer_ids`),
 one decoder layer (`midlayer`), `norm`, `lm_head` over {c.draft_vocab_size} draft tokens with `d2t` / `t2d`. The
 target's token embedding is not included: the engines share the target's.
 
