@@ -181,11 +181,20 @@ def eager_context_states(model, taps: torch.Tensor, positions: torch.Tensor) -> 
         model.compiled_context = compiled
 
 
+@pytest.fixture(scope="module")
+def compiled_short_drafter(compiled):
+    """As `compiled_drafter`, trained for short blocks: its block is the rows a tree reads."""
+    drafter = tiny_drafter(compiled, seed=1)
+    drafter.config.short_blocks = True
+    return compiled_like(compiled, drafter.eval())
+
+
 @needs_compiler
-def test_compiled_block_and_catch_up_equal_eager_over_contexts_that_grow(compiled_drafter):
+@pytest.mark.parametrize("drafter", ["compiled_drafter", "compiled_short_drafter"])
+def test_compiled_block_and_catch_up_equal_eager_over_contexts_that_grow(drafter, request):
     """Context lengths, catch-up lengths, depths and cache capacities it never saw (symbolic after the warm-up: no
-    new graph)."""
-    model, rng = compiled_drafter, random.Random(5)
+    new graph); a short-block drafter's block of depth + 1 positions likewise."""
+    model, rng = request.getfixturevalue(drafter), random.Random(5)
     assert model.compiled_context is not None
     graphs = counters["stats"]["unique_graphs"]
     cache = ContextCache(model, capacity=8)

@@ -12,7 +12,8 @@ from treeflash.models.checkpoint import DrafterError
 from treeflash.models.dflash import DFlashDrafter
 from treeflash.train.store import AnswerStore, load_answers
 from treeflash.models.blocks import block_mask
-from treeflash.train.dflash import Sequence, dflash_loss, drafted_positions, sample_anchors, target_view
+from treeflash.train.dflash import (Sequence, block_lengths, dflash_loss, drafted_positions, sample_anchors,
+                                    target_view)
 from treeflash.train.losses import cosine_lr, forward_kl, position_weights
 
 from conftest import tiny_target
@@ -44,6 +45,22 @@ def test_block_mask():
     assert mask[3, :7].tolist() == [True] * 5 + [False] * 2
     assert mask[0, 7:].tolist() == [True] * 3 + [False] * 3  # own block, never the other
     assert mask[4, 7:].tolist() == [False] * 3 + [True] * 3
+
+
+def test_block_mask_of_short_blocks():
+    mask = block_mask(torch.tensor([2, 5]), context=7, block_size=3, lengths=torch.tensor([2, 3]))
+    assert mask[0, 7:].tolist() == [True, True, False, False, False, False]  # block 0 is its first 2 positions
+    assert mask[2, 7:].tolist() == [True, True, False, False, False, False]  # also for the position cut off
+    assert mask[4, 7:].tolist() == [False] * 3 + [True] * 3
+
+
+def test_block_lengths():
+    gen = torch.Generator().manual_seed(0)
+    assert block_lengths(10, 16, 0.0, gen) is None
+    lengths = block_lengths(4000, 16, 0.5, gen)
+    cut = lengths[lengths < 16]
+    assert int(cut.min()) == 2 and int(cut.max()) == 15
+    assert abs(len(cut) / len(lengths) - 0.5) < 0.03
 
 
 def test_anchors_stay_in_the_answer():
@@ -88,6 +105,36 @@ def test_blocks_over_context_equals_the_flat_reference():
         positions = (anchors[:, None] + torch.arange(g)).flatten()
         flat = drafter.hidden(drafter.block_inputs(tokens[anchors]), positions, ctx_kv, block_mask(anchors, S, g))
     torch.testing.assert_close(fast, flat.unflatten(0, (len(anchors), g))[:, 1:], **BLOCK_ATTENTION_TOL)
+    lengths = torch.tensor([4, 2, 3, 4, 2])  # short blocks: each sees its first lengths[n] positions only
+    with torch.no_grad():
+        fast = drafter(anchors, tokens, taps, lengths=lengths)
+        flat = drafter.hidden(drafter.block_inputs(tokens[anchors]), positions, ctx_kv,
+                              block_mask(anchors, S, g, lengths))
+    torch.testing.assert_close(fast, flat.unflatten(0, (len(anchors), g))[:, 1:], **BLOCK_ATTENTION_TOL)
+
+
+def test_a_short_block_in_training_is_the_block_drafted_at_inference():
+    """A drafter trained for short blocks drafts a tree `depth` deep from a block of depth + 1 positions: the
+    states training computed for a block of that length (the positions after it masked)."""
+    from treeflash.models.dflash import ContextCache
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=6, seed=4).eval()
+    drafter.config.short_blocks = True
+    S, anchor = 17, 11
+    tokens = torch.randint(0, 96, (S,), generator=torch.Generator().manual_seed(2))
+    taps = torch.randn(S, len(drafter.config.target_layer_ids), 64)
+    with torch.no_grad():
+        fused, k, v = drafter.context_states(taps[:anchor], torch.arange(anchor))
+        cache = ContextCache(drafter)
+        cache.append(k, v)
+        for depth in (1, 3, 5):
+            trained = drafter(torch.tensor([anchor]), tokens, taps, lengths=torch.tensor([depth + 1]))[0, :depth]
+            drafted = drafter.draft_states(int(tokens[anchor]), anchor, cache, depth)
+            torch.testing.assert_close(drafted, trained, **BLOCK_ATTENTION_TOL)
+        whole = drafter.draft_states(int(tokens[anchor]), anchor, cache, 2)  # a long block gives other states
+        drafter.config.short_blocks = False
+        assert not torch.allclose(whole, drafter.draft_states(int(tokens[anchor]), anchor, cache, 2))
 
 
 def test_the_draft_vocabulary_loss():

@@ -41,6 +41,9 @@ class BlocksOverContext:
     (DFlash: a block sees the committed context and itself, never another block). Passed as a layer's mask."""
 
     anchors: torch.Tensor  # [N]
+    # [N] or None: block n is its first lengths[n] positions only (a drafter trained for short blocks); the
+    # positions after them exist in the tensors but no query of the block sees them
+    lengths: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
                ctx_v: torch.Tensor) -> torch.Tensor:
@@ -56,17 +59,24 @@ class BlocksOverContext:
         on_context = on_context.masked_fill(~(torch.arange(S, device=q.device) < self.anchors[:, None])[
             None, :, None, None, :], float("-inf"))
         on_block = torch.einsum("hngtd,nuhd->hngtu", q, k)
+        if self.lengths is not None:
+            on_block = on_block.masked_fill(~(torch.arange(g, device=q.device) < self.lengths[:, None])[
+                None, :, None, None, :], float("-inf"))
         p = torch.softmax(torch.cat([on_context, on_block], dim=-1).float() * d ** -0.5, dim=-1).to(q.dtype)
         out = torch.einsum("hngts,shd->hngtd", p[..., :S], ctx_v) + torch.einsum("hngtu,nuhd->hngtd", p[..., S:], v)
         return out.permute(1, 0, 2, 3, 4).flatten(1, 2)  # query head i reads kv head i // groups, as SDPA's GQA
 
 
-def block_mask(anchors: torch.Tensor, context: int, block_size: int) -> torch.Tensor:
+def block_mask(anchors: torch.Tensor, context: int, block_size: int,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The reference layout of `BlocksOverContext`: the N blocks flattened after the context, [N γ, S + N γ] bool: a
-    block sees context positions before its anchor, and its own block."""
+    block sees context positions before its anchor, and its own block (its first lengths[n] positions)."""
     block = torch.arange(len(anchors)).repeat_interleave(block_size)
     sees_context = torch.arange(context)[None, :] < anchors.cpu()[block][:, None]
-    return torch.cat([sees_context, block[:, None] == block[None, :]], dim=1)
+    sees_block = block[:, None] == block[None, :]
+    if lengths is not None:
+        sees_block &= (torch.arange(block_size).repeat(len(anchors)) < lengths.cpu()[block])[None, :]
+    return torch.cat([sees_context, sees_block], dim=1)
 
 
 class Attention(nn.Module):

@@ -177,16 +177,17 @@ class DFlashDrafter(nn.Module):
         return h
 
     def forward(self, anchors: torch.Tensor, tokens: torch.Tensor, taps: torch.Tensor,
-                prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                prev_tokens: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Training: pre-norm states [N, γ-1, H] of the drafted positions of the N blocks anchored at `anchors` [N]
         of a sequence `tokens` [S] whose context is the target's taps [S, n_taps, H]. Each block starts with its
-        anchor's token and sees the context before it (`BlocksOverContext`). With an AR layer, `prev_tokens`
-        [N, γ-1, p] are the (teacher-forced) previous tokens of each drafted position, oldest first."""
+        anchor's token and sees the context before it (`BlocksOverContext`), and only its first lengths[n]
+        positions where `lengths` [N] is given (the states past them are not a short block's). With an AR layer,
+        `prev_tokens` [N, γ-1, p] are the (teacher-forced) previous tokens of each drafted position, oldest first."""
         g = self.config.block_size
         ctx_kv = self.context_kv(self.fuse(taps), torch.arange(len(taps), device=taps.device))
         x = self.block_inputs(tokens[anchors]).unflatten(0, (len(anchors), g))
         positions = anchors[:, None] + torch.arange(g, device=anchors.device)
-        h = self.hidden(x, positions, ctx_kv, BlocksOverContext(anchors))[:, 1:]
+        h = self.hidden(x, positions, ctx_kv, BlocksOverContext(anchors, lengths))[:, 1:]
         if self.ar_layer is not None and prev_tokens is not None:
             h = self.ar_layer(h, self.norm(h), self.embed(prev_tokens).to(h.dtype))
         return h
@@ -238,12 +239,18 @@ class DFlashDrafter(nn.Module):
         device, g = self.fc.weight.device, self.config.block_size
         depth = g - 1 if depth is None else min(depth, g - 1)
         roots = upload(torch.tensor([root]), device)
+        size = self.block_rows(depth + 1)
         if self.compiled_block is not None and isinstance(ctx_kv, ContextCache) and position == len(ctx_kv):
             forward, weights = self.compiled_block
-            return forward(self.block_tokens(roots)[0], position, depth + 1, ctx_kv.k, ctx_kv.v, *weights)[1:]
-        x = self.block_inputs(roots)
-        positions = position + torch.arange(g, device=device)
+            return forward(self.block_tokens(roots)[0, :size], position, depth + 1, ctx_kv.k, ctx_kv.v, *weights)[1:]
+        x = self.block_inputs(roots)[:size]
+        positions = position + torch.arange(size, device=device)
         return self.hidden(x, positions, ctx_kv, None)[1:depth + 1]
+
+    def block_rows(self, rows: int) -> int:
+        """The positions of a block whose first `rows` states a tree reads: those only for a drafter trained for
+        short blocks, else all γ (the block attends to itself both ways: its first states depend on the rest)."""
+        return rows if self.config.short_blocks else self.config.block_size
 
     @torch.no_grad()
     def compile_block(self) -> "DFlashDrafter":
@@ -262,7 +269,7 @@ class DFlashDrafter(nn.Module):
         g = self.config.block_size
         block = self.block_tokens(torch.zeros(1, dtype=torch.long, device=device))[0]
         for cache, length, rows in ((ContextCache(self), 1, g), (ContextCache(self, capacity=64), 20, min(3, g))):
-            forward(block, length, rows, cache.k, cache.v, *weights)
+            forward(block[:self.block_rows(rows)], length, rows, cache.k, cache.v, *weights)
         catch_up, catch_up_weights = compile_context(self.config, dtype), context_weights(self)
         taps = len(self.config.target_layer_ids)
         for m in (1, 2, 3):  # one position (an AR step's) has a graph of its own; 2 and 3 make m symbolic
@@ -274,7 +281,8 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft_states_batch(self, roots: list[int], contexts: list[ContextCache]) -> torch.Tensor:
         """`draft_states` of B sequences in one forward: [B, γ - 1, H]. Each block sees its own context (padded to
-        the longest, masked) and its own block; positions follow each context."""
+        the longest, masked) and its own block, whole (also for a drafter trained for short blocks, which drafts
+        from whole ones too); positions follow each context."""
         device, T = self.fc.weight.device, self.config.block_size
         x = self.block_inputs(torch.tensor(roots, device=device)).unflatten(0, (len(roots), T))
         lengths = torch.tensor([len(c) for c in contexts], device=device)

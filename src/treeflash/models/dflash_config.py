@@ -58,6 +58,9 @@ class DFlashConfig:
     rope_theta: float = 1e6
     # TreeFlash: {"kind": "swiglu"|"linear", "prev_tokens": 1|2, "intermediate_size": I}; None for plain DFlash
     ar_layer: dict | None = None
+    # trained on blocks cut to random lengths (`train dflash --short-blocks`): at inference a block of B + 1
+    # positions serves a tree B deep, instead of γ positions of which the tree reads B + 1
+    short_blocks: bool = False
     extra: dict = field(default_factory=dict)  # unknown fields of a published config, kept on save
 
     @classmethod

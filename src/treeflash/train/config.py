@@ -58,6 +58,7 @@ class DFlashRun(FreshDrafterRun):
     kl_topk: int = 0
     draft_vocab: int | None = None
     grad_checkpoint: bool = False  # recompute the drafter's layers in the backward pass (less memory)
+    short_blocks: float | None = None  # the share of blocks cut to random lengths (None: 0.5 if trained so, else 0)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class TreeFlashRun(TrainRun):
     kl_topk: int = 0
     draft_vocab: int | None = None
     grad_checkpoint: bool = False
+    short_blocks: float | None = None  # as DFlashRun's
 
 
 @dataclass

@@ -66,14 +66,24 @@ def sample_anchors(seq: Sequence, n: int, gen: torch.Generator) -> torch.Tensor:
     return (first + pick).sort().values
 
 
+def block_lengths(n: int, block_size: int, share: float, gen: torch.Generator) -> torch.Tensor | None:
+    """[n] block lengths for `--short-blocks`: a `share` of the blocks cut to a length drawn uniformly from
+    2..γ-1 (a tree 1..γ-2 deep reads that many), the others whole; None when share is 0 (every block whole)."""
+    if share <= 0:
+        return None
+    cut = torch.rand(n, generator=gen) < share
+    return torch.where(cut, torch.randint(2, block_size, (n,), generator=gen), block_size)
+
+
 def drafted_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[N, γ-1]: the positions whose tokens the blocks anchored at `anchors` draft (some may lie past the end)."""
     return anchors[:, None] + torch.arange(1, block_size, device=anchors.device)
 
 
 def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors: torch.Tensor,
-                kl_topk: int = 0, decay: float = 7.0) -> tuple[torch.Tensor, dict]:
-    """Weighted forward KL over all anchors' blocks of one sequence, and stats (tensors: no host sync).
+                kl_topk: int = 0, decay: float = 7.0, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted forward KL over all anchors' blocks of one sequence, and stats (tensors: no host sync). With
+    `lengths` [N] (`block_lengths`), block n is its first lengths[n] positions, and only those learn.
 
     Over the draft vocabulary V' (`view.vocab`, the FR-Spec rows the drafter scores at inference): the drafter can
     only ever propose those tokens, so its target there is the target's distribution restricted to V' and
@@ -91,8 +101,12 @@ def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors
     if drafter.ar_layer is not None:  # TreeFlash: teacher forcing, the true previous token(s)
         back = torch.arange(drafter.ar_layer.prev_tokens, 0, -1, device=device)
         prev = tokens[(predicted[:, :, None] - back).clamp(max=S - 1)]
-    h = model(anchors, tokens, view.taps, prev)  # [N, γ-1, H]
+    if lengths is not None:
+        lengths = lengths.to(device)
+    h = model(anchors, tokens, view.taps, prev, lengths)  # [N, γ-1, H]
     valid = predicted < S
+    if lengths is not None:
+        valid &= torch.arange(1, g, device=device) < lengths[:, None]
     scores = drafter.scores(h[valid]).float()  # over the draft vocabulary, when the drafter has one
     rows = predicted[valid] - 1  # the target's distribution of x_t sits at position t - 1
     target_logp = view.logp[rows]
@@ -157,6 +171,13 @@ def run(job: DFlashRun | TreeFlashRun) -> dict:
     for param in trainable:
         param.requires_grad_(True)
     config = drafter.config
+    # --short-blocks: unset, a drafter trained for short blocks goes on with half its blocks cut, others whole
+    short_share = job.short_blocks if job.short_blocks is not None else 0.5 * config.short_blocks
+    if not 0 <= short_share < 1:
+        raise DrafterError(f"--short-blocks {short_share}: a share of the blocks, at least 0 and below 1")
+    if short_share and job.kind == "treeflash" and job.freeze_backbone and not config.short_blocks:
+        raise DrafterError("--short-blocks with --freeze-backbone: the backbone was not trained for short blocks")
+    config.short_blocks = config.short_blocks or short_share > 0
     rows = training_rows(job, target)
     ranking = training_vocab(job, drafter, rows)
     vocab = drafter.draft_vocab
@@ -168,8 +189,10 @@ def run(job: DFlashRun | TreeFlashRun) -> dict:
         started = time.perf_counter()
         view = target_view(target.model, seq.tokens, taps, vocab)
         drafting = time.perf_counter()
+        anchors = sample_anchors(seq, job.num_anchors, gen)
+        lengths = block_lengths(len(anchors), config.block_size, short_share, gen)
         with autocast:
-            loss, stats = dflash_loss(model, seq, view, sample_anchors(seq, job.num_anchors, gen), job.kl_topk)
+            loss, stats = dflash_loss(model, seq, view, anchors, job.kl_topk, lengths=lengths)
         return loss, {**stats, "s_target": drafting - started, "s_drafter_forward": time.perf_counter() - drafting}
 
     adapter = job.kind == "treeflash" and job.freeze_backbone and saved_against is not None
