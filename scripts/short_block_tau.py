@@ -1,9 +1,10 @@
 """τ with the DFlash drafter's block cut to budget + 1 positions, against its full block (issue #29, cheap drafting).
 
 A drafting round's forward runs every position of the block (16 for the shipped drafter) although a tree of B nodes
-reads only the first B. Cutting the block to B + 1 would cut the forward's rows, but the block attends to itself in
-both directions, so the states of the first positions change too. This measures what that costs in τ (fp32, T = 0,
-plain `generate` at a fixed budget; τ does not depend on timing).
+reads only the first B. Cutting the block to B + 1 cuts the forward's rows, but the block attends to itself in both
+directions, so the states of the first positions change too. This measures what that costs in τ (fp32, T = 0, plain
+`generate` at a fixed budget; τ does not depend on timing), for the shipped drafter or one trained for short blocks
+(`train dflash --short-blocks`, which drafts from B + 1 positions by default).
 
     python scripts/short_block_tau.py --dataset gsm8k --limit 5 --max-new-tokens 96 --out short-block-gsm8k.json
 """
@@ -24,24 +25,26 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--budgets", default="2,4,8")
+    p.add_argument("--drafter", help="a DFlash drafter folder (default: the shipped one)")
     p.add_argument("--out")
     args = p.parse_args()
     target = Target.load("smollm2-135m-instruct", dtype="float32")
     prompts = [target.encode_prompt(t) for t in load_prompts(args.dataset, limit=args.limit)]
-    drafter = make_drafter("ddtree", target)
+    drafter = make_drafter("ddtree", target, args.drafter)
     config, rows = drafter.model.config, []
-    full = config.block_size
+    trained_short = config.short_blocks
     for budget in map(int, args.budgets.split(",")):
-        for block in (full, budget + 1):
-            config.block_size = block  # the drafter reads it for the block's tokens and positions
+        for short in (False, True):
+            config.short_blocks = short  # the drafter reads it for the block's rows (DFlashDrafter.block_rows)
+            block = drafter.model.block_rows(budget + 1)
             results = [generate(target, drafter, ids, args.max_new_tokens, budget=budget) for ids in prompts]
-            config.block_size = full
+            config.short_blocks = trained_short
             tau = sum(r.tau * len(r.rounds) for r in results) / sum(len(r.rounds) for r in results)
             rows.append({"budget": budget, "block": block, "tau": tau})
             print(f"{args.dataset} ddtree budget {budget} block {block}: tau {tau:.3f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"dataset": args.dataset, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+            json.dump({"drafter": args.drafter or "shipped", "dataset": args.dataset, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
                        "rows": rows}, f, indent=1)
 
 

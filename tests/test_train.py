@@ -219,6 +219,18 @@ def train_args(tmp_path, target, out, steps):
             "--target-dtype", "float32"]
 
 
+def test_a_drafter_trained_for_short_blocks_says_so_and_goes_on_so(tmp_path, tiny_folder, capsys):  # noqa: F811
+    write_store(tmp_path, tiny_folder)
+    out, again = tmp_path / "run", tmp_path / "again"
+    assert main(train_args(tmp_path, tiny_folder, out, 1) + ["--short-blocks", "0.5"]) == 0
+    assert json.loads((out / "drafter" / "config.json").read_text())["short_blocks"] is True
+    assert main(train_args(tmp_path, tiny_folder, again, 1) + ["--init", str(out / "drafter")]) == 0
+    assert json.loads((again / "train_args.json").read_text())["short_blocks"] is None  # its default: 0.5
+    assert DFlashDrafter.from_pretrained(again / "drafter").config.short_blocks
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "bad", 1) + ["--short-blocks", "1"]) != 0
+    assert "--short-blocks 1.0: a share of the blocks" in capsys.readouterr().err
+
+
 def test_resume_is_exact(tmp_path, tiny_folder):  # noqa: F811
     write_store(tmp_path, tiny_folder)
     assert main(train_args(tmp_path, tiny_folder, tmp_path / "straight", 4)) == 0

@@ -208,6 +208,23 @@ def test_a_few_weaver_steps_learn_and_the_backbone_stays():
         torch.testing.assert_close(v, frozen[k], atol=0, rtol=0)
 
 
+def test_the_weaver_learns_on_short_blocks_as_it_drafts_from_them():
+    """On a backbone trained for short blocks, a block of length L teaches its first L - 1 depths only (whole blocks:
+    the plain loss)."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    weaver = tiny_weaver(drafter, top_k=16)
+    seq = Sequence(torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0)), prompt_len=5)
+    view = target_view(target.model, seq.tokens, drafter.config.target_layer_ids)
+    anchors = torch.tensor([5, 9, 20, 38])
+    with torch.no_grad():
+        plain = weaver_loss(weaver, drafter, seq, view, anchors)
+        whole = weaver_loss(weaver, drafter, seq, view, anchors, lengths=torch.full((4,), 4))
+        short = weaver_loss(weaver, drafter, seq, view, anchors, lengths=torch.tensor([2, 4, 3, 4]))
+    assert whole[1] == plain[1] and short[1]["tokens"] == 1 + 3 + 2 + 1  # the last anchor: one position left
+    assert short[1]["loss"] != plain[1]["loss"]
+
+
 def test_train_weaver_cli_and_dist(tmp_path, tiny_folder):  # noqa: F811
     """A 2-step `train weaver` run on a frozen backbone, then `dist` with the three kinds in one report."""
     import json

@@ -353,6 +353,7 @@ def build_parser() -> Parser:
                        "backward pass instead of keeping their activations (less memory, one more forward)")
     for t in (td, tt):
         t.add_argument("--kl-topk", type=int, help="sparse forward KL over the target's top-k (0: full)")
+    for t in (td, tt, tw):
         t.add_argument("--short-blocks", type=float, metavar="SHARE",
                        help="cut this share of the blocks to a random length (2..γ-1), so that the drafter drafts from "
                        "a block of B + 1 positions for a tree B deep, the cheap round of a CPU (default: 0.5 for a "

@@ -85,6 +85,7 @@ class WeaverRun(TrainRun):
     heads: int | None = None
     top_k: int = 512
     init: str | None = None  # a trained Weaver to go on training
+    short_blocks: float | None = None  # as DFlashRun's (the backbone must be trained for short blocks)
 
 
 @dataclass

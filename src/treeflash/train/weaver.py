@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.checkpoint import DrafterError
 from ..models.dflash import DFlashDrafter
 from ..models.weaver import Weaver
 from .config import WeaverRun
@@ -26,18 +27,19 @@ from .losses import candidate_kl, position_weights
 
 
 def weaver_logits(model: torch.nn.Module, drafter: DFlashDrafter, tokens: torch.Tensor, taps: torch.Tensor,
-                  anchors: torch.Tensor):
+                  anchors: torch.Tensor, lengths: torch.Tensor | None = None):
     """Teacher-forced Weaver logits for N anchors' blocks of one sequence (tokens [S], taps [S, n_taps, H]).
 
     Returns predicted [N, γ-1] (positions of the drafted tokens; some past the end), cand [N, γ-1, K] (the top-K
     of each depth's DFlash marginal), logits [N, γ-1, K] (marginal log-probs + residual: their softmax is the
-    Weaver's distribution) and log_inside [N, γ-1] (log of the marginal's mass on the candidates).
+    Weaver's distribution) and log_inside [N, γ-1] (log of the marginal's mass on the candidates). With `lengths`
+    [N], block n is its first lengths[n] positions (a backbone trained for short blocks; `train.dflash.block_lengths`).
     `model` is the Weaver, or DistributedDataParallel around it."""
     weaver: Weaver = getattr(model, "module", model)
     S = len(tokens)
     predicted = drafted_positions(anchors, drafter.config.block_size)
     with torch.no_grad():  # the backbone is frozen
-        h = drafter(anchors, tokens, taps)  # [N, γ-1, H]
+        h = drafter(anchors, tokens, taps, lengths=lengths)  # [N, γ-1, H]
         marginal = torch.log_softmax(drafter.logits(h).float(), dim=-1)
         cand_logp, cand = marginal.topk(weaver.config.top_k, dim=-1)
         ctx = drafter.fuse(taps[(anchors - 1).clamp(min=0)])  # the last committed position before each root
@@ -47,12 +49,17 @@ def weaver_logits(model: torch.nn.Module, drafter: DFlashDrafter, tokens: torch.
 
 
 def weaver_loss(model: torch.nn.Module, drafter: DFlashDrafter, seq: Sequence, view: TargetView,
-                anchors: torch.Tensor, decay: float = 7.0) -> tuple[torch.Tensor, dict]:
-    """Weighted candidate-plus-bucket forward KL over all anchors' blocks of one sequence, and stats."""
+                anchors: torch.Tensor, decay: float = 7.0,
+                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted candidate-plus-bucket forward KL over all anchors' blocks of one sequence (only their first
+    lengths[n] positions, where given), and stats."""
     device = view.taps.device
     tokens, anchors = seq.tokens.to(device), anchors.to(device)
-    predicted, cand, logits, log_inside = weaver_logits(model, drafter, tokens, view.taps, anchors)
+    lengths = None if lengths is None else lengths.to(device)
+    predicted, cand, logits, log_inside = weaver_logits(model, drafter, tokens, view.taps, anchors, lengths)
     valid = predicted < len(tokens)
+    if lengths is not None:
+        valid &= torch.arange(1, drafter.config.block_size, device=device) < lengths[:, None]
     cand, logits = cand[valid], logits[valid].float()
     logq = torch.log_softmax(logits, dim=-1) + log_inside[valid, None]
     target_logp = view.logp[predicted[valid] - 1]  # the target's distribution of x_t sits at position t - 1
@@ -71,7 +78,7 @@ def run(job: WeaverRun) -> dict:
     """`treeflash train weaver` (`job`: its typed config, train/config.py)."""
     from ..models.checkpoint import weights_digest
     from ..models.weaver import WeaverConfig
-    from .dflash import launch, sample_anchors, sequences, setup, target_view, training_rows
+    from .dflash import block_lengths, launch, sample_anchors, sequences, setup, target_view, training_rows
 
     rank, world, target = setup(job)
     drafter = DFlashDrafter.from_pretrained(job.backbone).attach(target.model).to(target.device).eval()
@@ -85,10 +92,17 @@ def run(job: WeaverRun) -> dict:
     data = sequences(training_rows(job, target), job.max_len, drafter.config.block_size)
     taps = drafter.config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=job.bf16)
+    # a backbone trained for short blocks drafts from them: the Weaver learns on the states they give
+    short_share = job.short_blocks if job.short_blocks is not None else 0.5 * drafter.config.short_blocks
+    if short_share and not drafter.config.short_blocks:
+        raise DrafterError("--short-blocks: the backbone was not trained for short blocks (`train dflash "
+                           "--short-blocks`)")
 
     def loss_fn(model, seq, gen):
         view = target_view(target.model, seq.tokens, taps)
+        anchors = sample_anchors(seq, job.num_anchors, gen)
+        lengths = block_lengths(len(anchors), drafter.config.block_size, short_share, gen)
         with autocast:
-            return weaver_loss(model, drafter, seq, view, sample_anchors(seq, job.num_anchors, gen))
+            return weaver_loss(model, drafter, seq, view, anchors, lengths=lengths)
 
     return launch(job, world, rank, weaver, list(weaver.parameters()), data, loss_fn, model_dir="weaver")
