@@ -3,6 +3,9 @@ state of a real round: the target's 4-bit weights have just streamed through it)
 loop so that machine drift hits them alike (issue 29, item 3).
 
     python scripts/drafting_round_parts.py --out docs/results/cheap-rounds/parts.json
+
+The block forward is timed whole (γ positions) and cut to the rows a tree reads (what a drafter trained for short
+blocks runs, `train dflash --short-blocks`), whatever the drafter's weights: the time depends on its shapes only.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from treeflash.tree import DraftTree
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=60)
+    p.add_argument("--drafter", help="a DFlash drafter folder (default: the shipped one)")
     p.add_argument("--out")
     args = p.parse_args()
     target = Target.load(dtype="auto", compile="auto")  # the command line's defaults
-    drafter = make_drafter("ddtree", target)
+    drafter = make_drafter("ddtree", target, args.drafter)
     model = drafter.model
     prompt = target.encode_prompt(load_prompts("gsm8k", limit=1)[0])
     taps = target.prefill(prompt, taps=drafter.taps).hidden
@@ -47,9 +51,16 @@ def main() -> None:
     parts = {"ar step (verify, no commit)": ar_step,
              "catch-up of 1 position, compiled": lambda: model.context_states(one, position),
              "catch-up of 1 position, eager": eager_catch_up}
-    for depth in (15, 4, 2):
-        parts[f"block forward, states of {depth} drafted positions"] = \
-            lambda depth=depth: model.draft_states(5, drafter.ctx_len, drafter.context, depth)
+    def block(depth: int, short: bool) -> None:
+        trained, model.config.short_blocks = model.config.short_blocks, short
+        model.draft_states(5, drafter.ctx_len, drafter.context, depth)
+        model.config.short_blocks = trained
+
+    g = model.config.block_size
+    for depth in (15, 8, 4, 2):
+        parts[f"block forward, {g} positions, states of {depth}"] = lambda depth=depth: block(depth, False)
+        if depth + 1 < g:
+            parts[f"block forward, {depth + 1} positions (short)"] = lambda depth=depth: block(depth, True)
     h = model.draft_states(5, drafter.ctx_len, drafter.context)
     for budget in (2, 4, 16):
         parts[f"ddtree tree build, budget {budget}"] = lambda budget=budget: drafter.tree(prompt + [5], h, budget)

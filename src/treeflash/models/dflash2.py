@@ -232,6 +232,7 @@ class DFlash2Drafter(nn.Module):
     # the layers over the block, and the inference forward: DFlashDrafter's code over this model's layers
     hidden = DFlashDrafter.hidden
     draft_states = DFlashDrafter.draft_states  # no_grad already
+    block_rows = DFlashDrafter.block_rows
 
     @torch.no_grad()
     def draft_states_batch(self, roots: list[int], contexts: list) -> torch.Tensor:
