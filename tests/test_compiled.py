@@ -213,6 +213,21 @@ def test_compiled_block_and_catch_up_equal_eager_over_contexts_that_grow(drafter
 
 
 @needs_compiler
+def test_a_context_that_fills_its_cache_needs_no_new_graph(compiled_drafter):
+    """A long prompt's catch-up grows the cache to what it needs: the block must not then meet a cache that its
+    context fills exactly (another graph, compiled in the middle of decoding: seconds on a CPU)."""
+    model = compiled_drafter
+    graphs = counters["stats"]["unique_graphs"]
+    cache = ContextCache(model, capacity=8)
+    taps = torch.randn(40, len(model.config.target_layer_ids), model.config.hidden_size)
+    cache.append(*model.context_states(taps, torch.arange(40))[1:])  # 8 -> at least 40 positions
+    assert cache.k.shape[2] > len(cache)
+    out, ref = draft_both(model, 3, cache, 4)
+    torch.testing.assert_close(out, ref, atol=COMPILED_FP32_ATOL, rtol=0)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_compiler
 def test_a_compiled_drafter_gives_the_greedy_tokens(compiled, compiled_drafter):
     prompt = repetitive_prompt(random.Random(6), 96)
     ar = generate(compiled, make_drafter("ar"), prompt, max_new_tokens=40).tokens

@@ -49,7 +49,9 @@ class ContextCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values [layers, kv_heads, m, head_dim] of m new positions (`DFlashDrafter.context_states`)."""
         m = k.shape[2]
-        self.reserve(self.length + m)
+        # room for one more at least: a cache its context fills exactly is a shape the compiled block has no graph
+        # for (its guards assume a longer cache), which a long prompt's catch-up made it compile mid-decoding
+        self.reserve(self.length + m + 1)
         self.k[:, :, self.length:self.length + m] = k
         self.v[:, :, self.length:self.length + m] = v
         self.length += m

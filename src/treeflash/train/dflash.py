@@ -75,6 +75,15 @@ def block_lengths(n: int, block_size: int, share: float, gen: torch.Generator) -
     return torch.where(cut, torch.randint(2, block_size, (n,), generator=gen), block_size)
 
 
+def short_block_share(requested: float | None, trained: bool) -> float:
+    """--short-blocks: the share of blocks to cut (`block_lengths`); unset, half for a drafter trained for short
+    blocks (it goes on so), none for others."""
+    share = requested if requested is not None else 0.5 * trained
+    if not 0 <= share < 1:
+        raise DrafterError(f"--short-blocks {share}: a share of the blocks, at least 0 and below 1")
+    return share
+
+
 def drafted_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[N, γ-1]: the positions whose tokens the blocks anchored at `anchors` draft (some may lie past the end)."""
     return anchors[:, None] + torch.arange(1, block_size, device=anchors.device)
@@ -171,10 +180,7 @@ def run(job: DFlashRun | TreeFlashRun) -> dict:
     for param in trainable:
         param.requires_grad_(True)
     config = drafter.config
-    # --short-blocks: unset, a drafter trained for short blocks goes on with half its blocks cut, others whole
-    short_share = job.short_blocks if job.short_blocks is not None else 0.5 * config.short_blocks
-    if not 0 <= short_share < 1:
-        raise DrafterError(f"--short-blocks {short_share}: a share of the blocks, at least 0 and below 1")
+    short_share = short_block_share(job.short_blocks, config.short_blocks)
     if short_share and job.kind == "treeflash" and job.freeze_backbone and not config.short_blocks:
         raise DrafterError("--short-blocks with --freeze-backbone: the backbone was not trained for short blocks")
     config.short_blocks = config.short_blocks or short_share > 0

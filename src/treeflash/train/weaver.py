@@ -78,7 +78,8 @@ def run(job: WeaverRun) -> dict:
     """`treeflash train weaver` (`job`: its typed config, train/config.py)."""
     from ..models.checkpoint import weights_digest
     from ..models.weaver import WeaverConfig
-    from .dflash import block_lengths, launch, sample_anchors, sequences, setup, target_view, training_rows
+    from .dflash import (block_lengths, launch, sample_anchors, sequences, setup, short_block_share, target_view,
+                         training_rows)
 
     rank, world, target = setup(job)
     drafter = DFlashDrafter.from_pretrained(job.backbone).attach(target.model).to(target.device).eval()
@@ -93,7 +94,7 @@ def run(job: WeaverRun) -> dict:
     taps = drafter.config.target_layer_ids
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=job.bf16)
     # a backbone trained for short blocks drafts from them: the Weaver learns on the states they give
-    short_share = job.short_blocks if job.short_blocks is not None else 0.5 * drafter.config.short_blocks
+    short_share = short_block_share(job.short_blocks, drafter.config.short_blocks)
     if short_share and not drafter.config.short_blocks:
         raise DrafterError("--short-blocks: the backbone was not trained for short blocks (`train dflash "
                            "--short-blocks`)")
