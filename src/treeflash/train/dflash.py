@@ -89,6 +89,15 @@ def drafted_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return anchors[:, None] + torch.arange(1, block_size, device=anchors.device)
 
 
+def learned_positions(predicted: torch.Tensor, length: int, lengths: torch.Tensor | None) -> torch.Tensor:
+    """[N, γ-1] bool: which drafted positions (`drafted_positions`) learn: those inside the sequence of `length`
+    tokens, and inside their block where blocks are cut to `lengths` [N] (`block_lengths`)."""
+    valid = predicted < length
+    if lengths is not None:
+        valid &= torch.arange(1, predicted.shape[1] + 1, device=predicted.device) < lengths[:, None]
+    return valid
+
+
 def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors: torch.Tensor,
                 kl_topk: int = 0, decay: float = 7.0, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted forward KL over all anchors' blocks of one sequence, and stats (tensors: no host sync). With
@@ -113,9 +122,7 @@ def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors
     if lengths is not None:
         lengths = lengths.to(device)
     h = model(anchors, tokens, view.taps, prev, lengths)  # [N, γ-1, H]
-    valid = predicted < S
-    if lengths is not None:
-        valid &= torch.arange(1, g, device=device) < lengths[:, None]
+    valid = learned_positions(predicted, S, lengths)
     scores = drafter.scores(h[valid]).float()  # over the draft vocabulary, when the drafter has one
     rows = predicted[valid] - 1  # the target's distribution of x_t sits at position t - 1
     target_logp = view.logp[rows]

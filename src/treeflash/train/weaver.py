@@ -22,7 +22,7 @@ from ..models.checkpoint import DrafterError
 from ..models.dflash import DFlashDrafter
 from ..models.weaver import Weaver
 from .config import WeaverRun
-from .dflash import Sequence, TargetView, drafted_positions
+from .dflash import Sequence, TargetView, drafted_positions, learned_positions
 from .losses import candidate_kl, position_weights
 
 
@@ -57,9 +57,7 @@ def weaver_loss(model: torch.nn.Module, drafter: DFlashDrafter, seq: Sequence, v
     tokens, anchors = seq.tokens.to(device), anchors.to(device)
     lengths = None if lengths is None else lengths.to(device)
     predicted, cand, logits, log_inside = weaver_logits(model, drafter, tokens, view.taps, anchors, lengths)
-    valid = predicted < len(tokens)
-    if lengths is not None:
-        valid &= torch.arange(1, drafter.config.block_size, device=device) < lengths[:, None]
+    valid = learned_positions(predicted, len(tokens), lengths)
     cand, logits = cand[valid], logits[valid].float()
     logq = torch.log_softmax(logits, dim=-1) + log_inside[valid, None]
     target_logp = view.logp[predicted[valid] - 1]  # the target's distribution of x_t sits at position t - 1
