@@ -6,6 +6,8 @@ loop so that machine drift hits them alike (issue 29, item 3).
 
 The block forward is timed whole (γ positions) and cut to the rows a tree reads (what a drafter trained for short
 blocks runs, `train dflash --short-blocks`), whatever the drafter's weights: the time depends on its shapes only.
+Each forward is timed twice: on the drafter as the command line loads it (4-bit products where the target's are)
+and on its trained bf16 weights.
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ import torch
 
 from treeflash.clock import now
 from treeflash.drafters import make_drafter
+from treeflash.drafters.load import default_drafter_path, load_drafter_model
+from treeflash.runtime.int4 import Int4Linear
 from treeflash.eval.datasets import load_prompts
 from treeflash.runtime import Target
 from treeflash.tree import DraftTree
+
+
+def products(model) -> str:
+    """How a drafter's linears multiply: 4-bit or dense."""
+    return "4-bit" if isinstance(model.layers[0].mlp.down_proj, Int4Linear) else "dense"
 
 
 def main() -> None:
@@ -48,19 +57,22 @@ def main() -> None:
         target.verify(DraftTree.chain(5))
         target.discard()
 
-    parts = {"ar step (verify, no commit)": ar_step,
-             "catch-up of 1 position, compiled": lambda: model.context_states(one, position),
-             "catch-up of 1 position, eager": eager_catch_up}
-    def block(depth: int, short: bool) -> None:
-        trained, model.config.short_blocks = model.config.short_blocks, short
-        model.draft_states(5, drafter.ctx_len, drafter.context, depth)
-        model.config.short_blocks = trained
+    parts = {"ar step (verify, no commit)": ar_step, "catch-up of 1 position, eager": eager_catch_up}
+
+    def block(m, depth: int, short: bool) -> None:
+        trained, m.config.short_blocks = m.config.short_blocks, short
+        m.draft_states(5, drafter.ctx_len, drafter.context, depth)
+        m.config.short_blocks = trained
 
     g = model.config.block_size
-    for depth in (15, 8, 4, 2):
-        parts[f"block forward, {g} positions, states of {depth}"] = lambda depth=depth: block(depth, False)
-        if depth + 1 < g:
-            parts[f"block forward, {depth + 1} positions (short)"] = lambda depth=depth: block(depth, True)
+    # the drafter as the command line loads it (4-bit where the target is), and with its trained weights (bf16)
+    dense = load_drafter_model(target, args.drafter or default_drafter_path(target.name, "dflash"), int4_products=False)
+    for label, m in ((products(model), model), (products(dense), dense)):
+        parts[f"catch-up of 1 position, compiled, {label}"] = lambda m=m: m.context_states(one, position)
+        for depth in (15, 8, 4, 2):
+            parts[f"block forward, {g} positions, states of {depth}, {label}"] = lambda m=m, d=depth: block(m, d, False)
+            if depth + 1 < g:
+                parts[f"block forward, {depth + 1} positions (short), {label}"] = lambda m=m, d=depth: block(m, d, True)
     h = model.draft_states(5, drafter.ctx_len, drafter.context)
     for budget in (2, 4, 16):
         parts[f"ddtree tree build, budget {budget}"] = lambda budget=budget: drafter.tree(prompt + [5], h, budget)
@@ -80,7 +92,8 @@ def main() -> None:
         print(f"{name:50s} {ms:6.2f} ms  {ms / step:5.2f}x the AR step")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"ms": medians, "repeats": args.repeats, "prompt_tokens": len(prompt)}, f, indent=1)
+            json.dump({"ms": medians, "repeats": args.repeats, "prompt_tokens": len(prompt),
+                       "drafter": args.drafter or "shipped"}, f, indent=1)
 
 
 if __name__ == "__main__":

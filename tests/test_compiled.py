@@ -17,7 +17,7 @@ from treeflash.drafters import block_drafter, make_drafter
 from treeflash.drafters.load import compiled_like
 from treeflash.models.dflash import ContextCache
 from treeflash.runtime.static_decoder import COMPILED_ROWS
-from treeflash.runtime import TargetError
+from treeflash.runtime import TargetError, int4
 from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter, tiny_target
@@ -189,8 +189,20 @@ def compiled_short_drafter(compiled):
     return compiled_like(compiled, drafter.eval())
 
 
+@pytest.fixture(scope="module")
+def compiled_int4_drafter(compiled):
+    """As `compiled_drafter`, its linears rounded to 4 bits (what `load_drafter_model` does where the target's are):
+    its compiled forwards multiply on the int4 kernel (here with fp32 scales, as the tiny target's)."""
+    drafter = tiny_drafter(compiled, seed=2)
+    assert int4.quantise_linears(drafter, torch.float32, keep_weight=True) == 1 + 7 * len(drafter.layers)
+    model = compiled_like(compiled, drafter.eval())
+    qkv, kv = model.compiled_block[1][3], model.compiled_context[1][2]
+    assert isinstance(qkv, tuple) and isinstance(kv, tuple)  # (packed, scales and zeros): the 4-bit kernel's
+    return model
+
+
 @needs_compiler
-@pytest.mark.parametrize("drafter", ["compiled_drafter", "compiled_short_drafter"])
+@pytest.mark.parametrize("drafter", ["compiled_drafter", "compiled_short_drafter", "compiled_int4_drafter"])
 def test_compiled_block_and_catch_up_equal_eager_over_contexts_that_grow(drafter, request):
     """Context lengths, catch-up lengths, depths and cache capacities it never saw (symbolic after the warm-up: no
     new graph); a short-block drafter's block of depth + 1 positions likewise."""

@@ -25,6 +25,9 @@ FP32_ULPS = 4 * float(np.finfo(np.float32).eps)
 # the dequantised fp32 target against the GGUF's own blocks with bf16 activations: bf16 rounds the activations
 # and the kernel's scales to 8 significant bits, over 30 layers (measured: max 0.93 on logits of magnitude 39)
 BF16_LOGIT_ATOL = 2.0
+# a 4-bit weight of magnitude <= 0.1 with its scale and zero rounded to bf16 (8 significant bits), and a dense copy
+# rounded to bf16 too: each off by at most 8 * 2^-9 of the group's range
+BF16_SCALE_ATOL = 1e-3
 BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.Q4_K: 144}
 
 
@@ -164,6 +167,7 @@ def test_smollm2_keeps_its_gguf_blocks_and_stays_close_to_the_dequantised_model(
     assert target.weights.quantised == {"Q4_1": 210, "Q8_0": 1} and not target.weights.dense
     assert target.weights.kernel_dtype == "bfloat16"
     assert smollm2.weights == "dense"  # an explicit float32 stays the exact path
+    assert target.int4_products and not smollm2.int4_products  # its drafters go 4-bit, the exact path's stay dense
     assert not any(type(m) is torch.nn.Linear for m in target.model.modules())
     ids = target.encode_prompt("What is 7 times 8? Answer briefly.")
     tree = DraftTree.chain(ids[-1], [28, 29, 30])
@@ -174,6 +178,25 @@ def test_smollm2_keeps_its_gguf_blocks_and_stays_close_to_the_dequantised_model(
         t.discard()
     torch.testing.assert_close(logits[0], logits[1], atol=BF16_LOGIT_ATOL, rtol=0)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_drafters_of_a_4bit_target_multiply_4bit_weights(tmp_path, monkeypatch):
+    """Where the target's products are 4-bit in bf16 (`Target.int4_products`, the CPU's fast path), the drafter's
+    linears are rounded to 4 bits for the same kernel, each keeping its rounded weight as a dense copy for its
+    readers; elsewhere (here: fp32 activations, the exact path) the drafter stays as trained."""
+    from test_dflash import tiny_drafter
+    from treeflash.drafters.load import load_drafter_model
+
+    target = int4_tiny(**WIDE)
+    tiny_drafter(target).save_pretrained(tmp_path, dtype=torch.float32)
+    assert not target.int4_products
+    assert not any(isinstance(m, Int4Linear) for m in load_drafter_model(target, tmp_path).modules())
+    monkeypatch.setattr(Target, "int4_products", property(lambda self: True))
+    model = load_drafter_model(target, tmp_path)
+    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(linears) == 1 + 7 * len(model.layers) and model.fc in linears
+    for m in linears:  # the copy is the kernel's weight, up to the rounding of its scales to bf16
+        torch.testing.assert_close(m.weight.float(), m.dense_weight(), atol=BF16_SCALE_ATOL, rtol=0)
 
 
 def test_many_rows_run_on_the_second_layout_with_the_same_weights():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from ..models.checkpoint import DrafterError, error_line
 
 from ..models.dflash import DFlashDrafter
@@ -12,6 +14,7 @@ from ..models.dflash import DFlashDrafter
 from ..models.dflash_io import draft_vocab
 from ..models.dflash2 import DFlash2Drafter, is_dflash2
 from ..models.eagle3 import Eagle3Drafter, is_eagle3
+from ..runtime import int4
 from ..runtime.packed import pack_linears
 from ..models.weaver import Weaver
 from .block import BlockDrafter, block_drafter, drafting_dtype
@@ -69,11 +72,20 @@ def load_rest_drafter(target, path: str | Path | None = None) -> PromptLookupDra
     return PromptLookupDrafter(datastore=datastore)
 
 
-def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = None) -> DFlashDrafter:
+def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = None,
+                       int4_products: bool | None = None) -> DFlashDrafter:
     """A drafter checkpoint attached to `target`, in the drafting dtype, scoring its draft vocabulary
-    (`draft_vocab_size`: None: the config's, 0: every token), its products on packed weights (inference only)."""
+    (`draft_vocab_size`: None: the config's, 0: every token), its products on packed weights (inference only).
+
+    With `int4_products` (None: where the target's linears are 4-bit, `Target.int4_products`, the CPU's fast path)
+    its linears are rounded to 4 bits and multiplied on the target's kernel: after a target step, its round's
+    products then cost half of what bf16 ones do (docs/results/int4-drafter). The drafts change a little (the τ
+    that costs is measured there), the decoded tokens never: the target verifies them. The exact path (a dense
+    target) keeps the drafter as trained."""
     model = DFlashDrafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     model = model.attach(target.model).to(target.device)
+    if target.int4_products if int4_products is None else int4_products:
+        int4.quantise_linears(model, torch.bfloat16, keep_weight=True)
     return compiled_like(target, pack_linears(model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size))))
 
 

@@ -148,20 +148,29 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, source={self.source}"
 
 
-def quantise_model(model: nn.Module, dtype: torch.dtype, group: int = GROUP) -> int:
-    """Round every nn.Linear of a Hugging Face model but its LM head to 4 bits per group (`quantise`), in place,
-    for products in `dtype`: what `--quantize int4` does to a dense target (the model changes; speculation stays
-    exact with respect to the one that runs). Linears whose shape the kernel cannot take stay dense. Returns the
-    number swapped. (torchao 0.18 has no CPU int4 layout left; its older one called this same kernel.)"""
-    head = model.get_output_embeddings()
+def quantise_linears(module: nn.Module, dtype: torch.dtype, group: int = GROUP,
+                     skip: tuple[nn.Module, ...] = (), keep_weight: bool = False) -> int:
+    """Round every nn.Linear inside `module` but those in `skip` to 4 bits per group (`quantise`), in place, for
+    products in `dtype`; with `keep_weight`, each keeps its rounded weight as a dense copy (`Int4Linear.weight`)
+    for readers of its dtype, device or rows. The module changes: the model that runs is the rounded one. Linears
+    whose shape the kernel cannot take stay dense. Returns the number swapped."""
     swapped = 0
-    for _, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
             n, k = getattr(child, "out_features", 0), getattr(child, "in_features", 0)
-            if type(child) is not nn.Linear or child is head or n % 16 or k % group:
+            if type(child) is not nn.Linear or any(child is m for m in skip) or n % 16 or k % group:
                 continue
             q, scale, zero = quantise(child.weight, group)
-            setattr(module, child_name, Int4Linear([Int4Weight.from_ints(q, scale, zero, dtype, group)],
-                                                   child.bias, source=f"int4 g{group}"))
+            rounded = dequantise(q, scale, zero, group).to(child.weight) if keep_weight else None
+            setattr(parent, name, Int4Linear([Int4Weight.from_ints(q, scale, zero, dtype, group)], child.bias,
+                                             weight=rounded, source=f"int4 g{group}"))
             swapped += 1
     return swapped
+
+
+def quantise_model(model: nn.Module, dtype: torch.dtype, group: int = GROUP) -> int:
+    """Round every nn.Linear of a Hugging Face model but its LM head to 4 bits (`quantise_linears`): what
+    `--quantize int4` does to a dense target (the model changes; speculation stays exact with respect to the one
+    that runs). Returns the number swapped. (torchao 0.18 has no CPU int4 layout left; its older one called this
+    same kernel.)"""
+    return quantise_linears(model, dtype, group, skip=(model.get_output_embeddings(),))

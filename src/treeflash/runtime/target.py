@@ -81,6 +81,14 @@ class Target:
         """Whether decoding runs compiled (`compile`): the static runtime's layers on a CPU, CUDA graphs on a GPU."""
         return self.backend.compiled
 
+    @property
+    def int4_products(self) -> bool:
+        """Whether its linears multiply on the 4-bit kernel in bf16 (a GGUF's own tensors, or `quantize int4` on
+        bf16): the fast path of a CPU, where its drafters' products go 4-bit too (`drafters.load`)."""
+        if isinstance(self.weights, GGUFWeights):
+            return bool(self.weights.quantised) and self.weights.kernel_dtype == "bfloat16"
+        return self.weights.startswith("int4") and self.dtype == torch.bfloat16
+
     def compile(self, mode: str = "on") -> bool:
         """Compile the static runtime's decoding as `mode` asks (auto: where that is fast; on: refuse to stay
         eager; off: leave it as it is). On a CPU, its decoding layers through torch.compile

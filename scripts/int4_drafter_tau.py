@@ -1,0 +1,55 @@
+"""τ of a block drafter with its linears rounded to 4 bits, against its trained weights (issue #29, cheap drafting).
+
+Where the target multiplies 4-bit (its GGUF on a CPU), the drafter's linears are rounded to 4 bits too, so that its
+products run on the same kernel (`drafters.load.load_drafter_model`). That changes the drafts, never the decoded
+tokens; this measures what it costs in τ: fp32 target, T = 0, plain `generate` at fixed budgets (τ does not depend
+on timing), each method with the dense drafter and the 4-bit one over the same prompts.
+
+    python scripts/int4_drafter_tau.py --dataset gsm8k --out int4-tau-gsm8k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from treeflash import Target, generate
+from treeflash.drafters import block_drafter
+from treeflash.drafters.load import default_drafter_path, load_drafter_model
+from treeflash.eval.datasets import load_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", default="gsm8k")
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budgets", default="2,4,16")
+    p.add_argument("--methods", default="dflash,ddtree,treeflash")
+    p.add_argument("--drafter", help="a DFlash drafter folder (default: the shipped one)")
+    p.add_argument("--treeflash", help="a TreeFlash drafter folder (default: the shipped one)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    target = Target.load("smollm2-135m-instruct", dtype="float32")
+    prompts = [target.encode_prompt(t) for t in load_prompts(args.dataset, limit=args.limit)]
+    rows = []
+    for method in args.methods.split(","):
+        kind = "treeflash" if method == "treeflash" else "dflash"
+        path = (args.treeflash if kind == "treeflash" else args.drafter) or default_drafter_path(target.name, kind)
+        for four_bit in (False, True):
+            drafter = block_drafter(load_drafter_model(target, path, int4_products=four_bit), method)
+            for budget in map(int, args.budgets.split(",")):
+                results = [generate(target, drafter, ids, args.max_new_tokens, budget=budget) for ids in prompts]
+                tau = sum(r.tau * len(r.rounds) for r in results) / sum(len(r.rounds) for r in results)
+                products = "4-bit" if four_bit else "dense"
+                rows.append({"method": method, "budget": budget, "products": products, "tau": tau})
+                print(f"{args.dataset} {method}@{budget} {products}: tau {tau:.3f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"drafter": args.drafter or "shipped", "treeflash": args.treeflash or "shipped",
+                       "dataset": args.dataset, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
