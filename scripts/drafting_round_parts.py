@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from treeflash.clock import now
-from treeflash.drafters import make_drafter
+from treeflash.drafters import block_drafter, make_drafter
 from treeflash.drafters.load import default_drafter_path, load_drafter_model
 from treeflash.runtime.int4 import Int4Linear
 from treeflash.eval.datasets import load_prompts
@@ -74,8 +74,9 @@ def main() -> None:
             if depth + 1 < g:
                 parts[f"block forward, {depth + 1} positions (short), {label}"] = lambda m=m, d=depth: block(m, d, True)
     h = model.draft_states(5, drafter.ctx_len, drafter.context)
-    for budget in (2, 4, 16):
-        parts[f"ddtree tree build, budget {budget}"] = lambda budget=budget: drafter.tree(prompt + [5], h, budget)
+    for label, d in ((products(model), drafter), (products(dense), block_drafter(dense, "ddtree"))):
+        for budget in (2, 4, 16):  # its LM-head rows are 4-bit where its linears are
+            parts[f"ddtree tree build, budget {budget}, {label}"] = lambda d=d, b=budget: d.tree(prompt + [5], h, b)
     times = {name: [] for name in parts}
     with torch.no_grad():
         for f in parts.values():

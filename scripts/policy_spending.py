@@ -2,7 +2,7 @@
 dataset's first prompts (as `bench` takes them), every drafted round logged as predicted to pay or as a probe, with
 the time it lost against the plain AR steps that would have committed its tokens.
 
-    python scripts/policy_spending.py METHOD DATASET [LIMIT]      # e.g. dflash mbpp
+    python scripts/policy_spending.py METHOD DATASET [LIMIT [DRAFTER]]      # e.g. dflash mbpp
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from treeflash.runtime import Target
 from treeflash.speculation import policy_for
 
 
-def main(method: str, dataset: str, limit: int = 10) -> None:
+def main(method: str, dataset: str, limit: int = 10, drafter_path: str | None = None) -> None:
     target = Target.load(dtype="auto", compile="auto")  # the command line's defaults
-    drafter = make_drafter(method, target)
+    drafter = make_drafter(method, target, drafter_path)
     generate(target, drafter, target.encode_prompt("Hello"), 16)  # warm-up; makes the policy
     policy = policy_for(target, drafter, 16)
     should_draft, observe = policy.should_draft, policy.observe
@@ -29,7 +29,7 @@ def main(method: str, dataset: str, limit: int = 10) -> None:
         kind = None
         if drafts:
             kind = "pays" if policy.gain is not None and policy.gain > policy.rate * policy.draft_s else "probe"
-        log.append({"kind": kind})
+        log.append({"kind": kind if drafts else "ar"})
         return drafts
 
     def logged_observe(trees, paths, committed, draft_s, verify_s, drafted, context=None):
@@ -46,7 +46,15 @@ def main(method: str, dataset: str, limit: int = 10) -> None:
         rounds = [r for r in log if r["kind"] == kind]
         lost = sum(r["seconds"] - r["committed"] * step for r in rounds)
         print(f"  {kind}: {len(rounds)} rounds, lost {lost * 1e3:.1f} ms ({lost / total:.1%} of the time)")
+    for kind in ("ar", "pays", "probe"):
+        rounds = [r for r in log if r["kind"] == kind]
+        if rounds:
+            print(f"  {kind}: {len(rounds)} rounds, {sum(r['committed'] for r in rounds)} tokens, drafting and "
+                  f"verifying {sum(r['seconds'] for r in rounds) * 1e3:.0f} ms")
+    rounds_s = sum(r["seconds"] for r in log)
+    print(f"  outside drafting and verifying (prefill, acceptance, commit, policy): {(total - rounds_s) * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 10)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 10,
+         sys.argv[4] if len(sys.argv) > 4 else None)

@@ -194,7 +194,10 @@ def test_drafters_of_a_4bit_target_multiply_4bit_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(Target, "int4_products", property(lambda self: True))
     model = load_drafter_model(target, tmp_path)
     linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    assert len(linears) == 1 + 7 * len(model.layers) and model.fc in linears
+    assert len(linears) == 1 + 7 * len(model.layers) and model.fc in linears and model.head_int4
+    with torch.no_grad():  # (inference)
+        model.top_tokens(torch.randn(3, model.config.hidden_size), 2)
+    assert isinstance(model._head_cast[2], Int4Linear)  # the head's rows it scores, rounded too
     for m in linears:  # the copy is the kernel's weight, up to the rounding of its scales to bf16
         torch.testing.assert_close(m.weight.float(), m.dense_weight(), atol=BF16_SCALE_ATOL, rtol=0)
 

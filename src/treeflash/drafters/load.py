@@ -78,14 +78,15 @@ def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = 
     (`draft_vocab_size`: None: the config's, 0: every token), its products on packed weights (inference only).
 
     With `int4_products` (None: where the target's linears are 4-bit, `Target.int4_products`, the CPU's fast path)
-    its linears are rounded to 4 bits and multiplied on the target's kernel: after a target step, its round's
-    products then cost half of what bf16 ones do (docs/results/int4-drafter). The drafts change a little (the τ
+    its linears and the LM-head rows it scores are rounded to 4 bits and multiplied on the target's kernel: after a
+    target step, its round's products then cost half of what bf16 ones do (docs/results/int4-drafter). The drafts change a little (the τ
     that costs is measured there), the decoded tokens never: the target verifies them. The exact path (a dense
     target) keeps the drafter as trained."""
     model = DFlashDrafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     model = model.attach(target.model).to(target.device)
     if target.int4_products if int4_products is None else int4_products:
         int4.quantise_linears(model, torch.bfloat16, keep_weight=True)
+        model.head_int4 = True
     return compiled_like(target, pack_linears(model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size))))
 
 

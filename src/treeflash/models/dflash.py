@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..runtime.transfer import upload
-from ..runtime import packed
+from ..runtime import int4, packed
+from ..runtime.int4 import Int4Linear, Int4Weight
 from . import dflash_io
 from .ar_layer import ARApproximation
 from .blocks import BlocksOverContext, Layer, RMSNorm
@@ -79,7 +80,8 @@ class DFlashDrafter(nn.Module):
         if c.mask_token_id is None:  # deprecated (older treeflash drafters): a learned mask embedding
             self.mask_embedding = nn.Parameter(0.02 * torch.randn(c.hidden_size))
         self._target = ()  # (embed, lm_head): a tuple, so that they are not registered as submodules
-        self._head_cast: tuple | None = None  # (the head's weight, its cast rows, their packed copy or None)
+        self._head_cast: tuple | None = None  # (the head's weight, its cast rows, their packed or 4-bit copy or None)
+        self.head_int4 = False  # inference: score with the head's rows rounded to 4 bits (`load_drafter_model`)
         self.draft_vocab: torch.Tensor | None = None  # inference only: token ids the LM head scores (use_draft_vocab)
         self.backbone_folder: Path | None = None  # loaded as an AR layer over this DFlash folder (see save_pretrained)
         self.compiled_block: tuple | None = None  # (the compiled block forward, its weights): `compile_block`
@@ -197,18 +199,28 @@ class DFlashDrafter(nn.Module):
     def scores(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, then the target's LM head on the scored tokens (the draft vocabulary, else all) [..., S], in
         the drafter's dtype: a bf16 drafter over an fp32 target multiplies by a bf16 copy of the head's rows (made
-        once, and packed where `packed` can), the costliest product of a drafting round."""
+        once, and packed where `packed` can, or rounded to 4 bits with `head_int4`), the costliest product of a
+        drafting round."""
         x = self.norm(h).to(self.fc.weight.dtype)
         head = self.lm_head
         if self._head_cast is None or self._head_cast[0] is not head.weight:
             rows = head.weight.detach() if self.draft_vocab is None else head.weight.detach()[self.draft_vocab]
             rows = rows.to(x.dtype).contiguous()
-            # packed for inference only: training multiplies by the plain rows, so a packed copy would only cost memory
-            self._head_cast = (head.weight, rows, None if torch.is_grad_enabled() else packed.pack(rows))
+            # for inference only: training multiplies by the plain rows, so a copy would only cost memory
+            if torch.is_grad_enabled():
+                copy = None
+            elif self.head_int4:
+                copy = Int4Linear([Int4Weight.from_ints(*int4.quantise(rows), torch.bfloat16)])
+            else:
+                copy = packed.pack(rows)
+            self._head_cast = (head.weight, rows, copy)
+        _, rows, copy = self._head_cast
         bias = getattr(head, "bias", None)
         if bias is not None and self.draft_vocab is not None:
             bias = bias[self.draft_vocab]
-        return packed.linear(x, self._head_cast[1], self._head_cast[2], bias)
+        if isinstance(copy, Int4Linear) and not torch.is_grad_enabled():
+            return copy(x) if bias is None else copy(x) + bias
+        return packed.linear(x, rows, copy, bias)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary [..., V]: `scores`, with -inf for the tokens outside the draft vocabulary."""
