@@ -50,9 +50,7 @@ class ContextCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values [layers, kv_heads, m, head_dim] of m new positions (`DFlashDrafter.context_states`)."""
         m = k.shape[2]
-        # room for one more at least: a cache its context fills exactly is a shape the compiled block has no graph
-        # for (its guards assume a longer cache), which a long prompt's catch-up made it compile mid-decoding
-        self.reserve(self.length + m + 1)
+        self.reserve(self.length + m)
         self.k[:, :, self.length:self.length + m] = k
         self.v[:, :, self.length:self.length + m] = v
         self.length += m
@@ -268,27 +266,17 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def compile_block(self) -> "DFlashDrafter":
-        """Run `draft_states` over a ContextCache and `context_states` through compiled forwards
-        (`compiled_block.py`) from now on, compiled here, on a snapshot of the weights (inference only: call it
-        again after they change). Raises ValueError for a drafter without a compiled form; where inductor fails,
+        """Run `draft_states` over a ContextCache and `context_states` through forwards compiled ahead of time
+        (`compiled_block.py`) from now on, loaded or built here, on a snapshot of the weights (inference only: call
+        it again after they change). Raises ValueError for a drafter without a compiled form; where inductor fails,
         the drafter stays eager and the error propagates."""
-        from .compiled_block import block_weights, compile_block, compile_context, context_weights
+        from .compiled_block import block_weights, compile_block, compile_context, context_weights, product_tensors
 
         self.compiled_block = self.compiled_context = None
-        device, dtype = self.fc.weight.device, self.fc.weight.dtype
-        weights = block_weights(self)
-        forward = compile_block(self.config, dtype)
-        # two context lengths, capacities and depths now, so that all are symbolic before the first timed round (a
-        # context of one position, a one-token prompt's, keeps a graph of its own: dynamo specialises sizes of 1)
-        g = self.config.block_size
-        block = self.block_tokens(torch.zeros(1, dtype=torch.long, device=device))[0]
-        for cache, length, rows in ((ContextCache(self), 1, g), (ContextCache(self, capacity=64), 20, min(3, g))):
-            forward(block[:self.block_rows(rows)], length, rows, cache.k, cache.v, *weights)
-        catch_up, catch_up_weights = compile_context(self.config, dtype), context_weights(self)
-        taps = len(self.config.target_layer_ids)
-        for m in (1, 2, 3):  # one position (an AR step's) has a graph of its own; 2 and 3 make m symbolic
-            catch_up(torch.zeros(m, taps, self.config.hidden_size, dtype=dtype, device=device),
-                     torch.arange(m, device=device), *catch_up_weights)
+        dtype, p = self.fc.weight.dtype, product_tensors(self)
+        weights, catch_up_weights = block_weights(self), context_weights(self)
+        forward = compile_block(self.config, dtype, weights, p)
+        catch_up = compile_context(self.config, dtype, catch_up_weights, p)
         self.compiled_block, self.compiled_context = (forward, weights), (catch_up, catch_up_weights)
         return self
 

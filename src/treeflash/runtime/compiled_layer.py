@@ -4,9 +4,9 @@ graph every layer shares, built by AOTInductor into a package cached on disk.
 Eager, a decoding step of SmolLM2 spends about as long dispatching the small ops around its 4-bit products (norms,
 RoPE, cache writes, attention) as in the products. Compiled, those ops fuse into a few C++ loops around the
 products; attention is two fused reductions around a softmax (SDPA's CPU kernel costs more at decoding's sizes).
-Ahead of time rather than `torch.compile`, because a step calls the layer once per layer (30 calls for SmolLM2):
-dynamo's guards and AOTAutograd's wrappers cost ~25 us a call there, about 12 % of a step, and an AOTInductor
-runner costs almost nothing above its kernels. One graph takes every batch, row count and length (sizes are
+Ahead of time rather than `torch.compile` (`aoti.py`), because a step calls the layer once per layer (30 calls for
+SmolLM2): dynamo's guards and AOTAutograd's wrappers cost ~25 us a call there, about 12 % of a step, and an
+AOTInductor runner costs almost nothing above its kernels. One graph takes every batch, row count and length (sizes are
 symbolic from 0 up: `backed_size_oblivious`), so it compiles once per model shape (~15 s, and as much for the
 batches' package, `SEQUENCES`) and a second start loads them in milliseconds.
 
@@ -16,22 +16,15 @@ the mask's width. `static_decoder.decoder_layer` is the eager reference; tests h
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import tempfile
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from . import aoti
 from .int4 import GROUP
-from .loading import cache_dir
 from .static_decoder import _rotate
-
-log = logging.getLogger(__name__)
 
 
 def layer_weights(layer) -> tuple[torch.Tensor, ...]:
@@ -116,56 +109,23 @@ def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...
 SEQUENCES = (1, 2)
 
 
-def package_path(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
-                 sequences: int) -> Path:
-    """Where the package of this layer lives: one per model shape, torch version, CPU capability and thread count
-    (the code is built for this machine's vector ISA, its loops split for that many threads) and version of this
-    file."""
-    key = repr((torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), shape, eps,
-                str(dtype), [(tuple(w.shape), str(w.dtype)) for w in weights], sequences, Path(__file__).read_bytes()))
-    return cache_dir() / "aoti" / f"layer-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt2"
-
-
-def build(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
-          sequences: int, path: Path) -> None:
-    """Export the layer and compile it into the package at `path` (written whole, then renamed: two processes
-    building at once leave one complete package)."""
-    args = example_inputs(shape, weights, dtype, sequences)
-    auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
-    dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
-            {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}) + (None,) * len(weights)
-    # sizes from 0 up: without it, export assumes every symbolic size is at least 2 (one token, one sequence)
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
-        program = torch.export.export(Layer(shape, eps), args, dynamic_shapes=dims, strict=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
-    os.close(fd)
-    try:
-        # realize the rotated q|k once: below inductor's default threshold (4 reads) q's rotation was inlined into
-        # the scores' reduction and computed again for every attended position (a 2-4 row layer 5-10 % slower at
-        # 256 positions, 10-15 % at 512)
-        with torch._inductor.config.patch(realize_reads_threshold=3):
-            torch._inductor.aoti_compile_and_package(program, package_path=tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
                   sequences: int) -> Callable:
     """The compiled layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps`, activations
     of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights`), for forwards of one sequence
-    (`sequences` 1) or of any number (2): loaded from the cache, or built first. Called as `Layer.forward`."""
-    path = package_path(shape, eps, dtype, weights, sequences)
-    with warnings.catch_warnings():  # torch's own deprecations inside export and the package loader
-        warnings.simplefilter("ignore", FutureWarning)
-        if not path.exists():
-            log.info("compiling the decoder layer ahead of time (once per model and machine): %s", path)
-            build(shape, eps, dtype, weights, sequences, path)
-        # the runner itself: the package's __call__ re-reads its input spec on every call (~15 us a layer)
-        run = torch._inductor.aoti_load_package(str(path)).loader.run
+    (`sequences` 1) or of any number (2): loaded from the cache, or built first (`aoti.package`: one per model shape
+    and machine). Called as `Layer.forward`."""
+    key = (shape, eps, str(dtype), [(tuple(w.shape), str(w.dtype)) for w in weights], sequences,
+           Path(__file__).read_bytes())
+    auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
+    dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
+            {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}) + (None,) * len(weights)
+    # realize the rotated q|k once: below inductor's default threshold (4 reads) q's rotation was inlined into the
+    # scores' reduction and computed again for every attended position (a 2-4 row layer 5-10 % slower at 256
+    # positions, 10-15 % at 512)
+    run = aoti.package("layer", key, lambda: aoti.export_sized(Layer(shape, eps), example_inputs(
+        shape, weights, dtype, sequences), dims), inductor={"realize_reads_threshold": 3})
 
     def layer(*args: torch.Tensor) -> torch.Tensor:
-        return run(list(args))[0]
+        return run(*args)[0]
     return layer

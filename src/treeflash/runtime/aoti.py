@@ -1,0 +1,58 @@
+"""Graphs compiled ahead of time: `torch.export` then AOTInductor, one package per graph and machine, cached on disk.
+
+A package's runner costs almost nothing above its kernels, where a `torch.compile` call pays dynamo's guards and
+AOTAutograd's wrappers (~25 us a call, 0.1-0.2 ms with a drafter's 40 weight tensors and the caches cold after a
+target step). So the forwards called every step or round run as packages: the target's decoder layer
+(`compiled_layer.py`) and the DFlash drafter's block and catch-up (`models/compiled_block.py`). The first start
+builds them (seconds each), later starts load them in milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import warnings
+from typing import Callable
+
+import torch
+
+from .loading import cache_dir
+
+log = logging.getLogger(__name__)
+
+
+def package(name: str, key: tuple, export: Callable[[], torch.export.ExportedProgram],
+            inductor: dict | None = None) -> Callable[..., list[torch.Tensor]]:
+    """The runner of the package `name` whose graph and shapes `key` identifies, built first by compiling
+    `export()` (with these inductor options) where this machine has none yet. The key is completed with what
+    the built code depends on besides: the torch version, the CPU's vector ISA and the thread count (inductor
+    splits loops for that many). Called as run(*tensors) -> the graph's outputs."""
+    key = (torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()) + key
+    path = cache_dir() / "aoti" / f"{name}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}.pt2"
+    with warnings.catch_warnings():  # torch's own deprecations inside export and the package loader
+        warnings.simplefilter("ignore", FutureWarning)
+        if not path.exists():
+            log.info("compiling %s ahead of time (once per model and machine): %s", name, path)
+            program = export()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+            os.close(fd)
+            try:  # written whole, then renamed: two processes building at once leave one complete package
+                with torch._inductor.config.patch(inductor or {}):
+                    torch._inductor.aoti_compile_and_package(program, package_path=tmp)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        # the runner itself: the package's __call__ re-reads its input spec on every call (~15 us)
+        run = torch._inductor.aoti_load_package(str(path)).loader.run
+    return lambda *args: run(list(args))
+
+
+def export_sized(module: torch.nn.Module, args: tuple, dims: tuple) -> torch.export.ExportedProgram:
+    """`torch.export` of module(*args) with symbolic sizes `dims`, from 0 up: without `backed_size_oblivious`,
+    export assumes every symbolic size is at least 2 (and a size of 1 would need a graph of its own)."""
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+        return torch.export.export(module, args, dynamic_shapes=dims, strict=False)
