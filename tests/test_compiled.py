@@ -234,12 +234,13 @@ def test_a_context_that_fills_its_cache_exactly(compiled_drafter):
 
 
 @needs_compiler
-def test_a_compiled_drafter_gives_the_greedy_tokens(compiled, compiled_drafter):
+@pytest.mark.parametrize("drafter", ["compiled_drafter", "compiled_int4_drafter"])
+def test_a_compiled_drafter_gives_the_greedy_tokens(compiled, drafter, request):
     prompt = repetitive_prompt(random.Random(6), 96)
     ar = generate(compiled, make_drafter("ar"), prompt, max_new_tokens=40).tokens
+    model = request.getfixturevalue(drafter)
     for method in ("dflash", "ddtree"):
-        drafter = block_drafter(compiled_drafter, method)
-        assert generate(compiled, drafter, prompt, 40, budget=4).tokens == ar
+        assert generate(compiled, block_drafter(model, method), prompt, 40, budget=4).tokens == ar
 
 
 def test_drafters_without_a_compiled_form_or_toolchain_draft_eager(compiled, monkeypatch, caplog, tmp_path):
