@@ -10,7 +10,6 @@ on timing), each method with the dense drafter and the 4-bit one over the same p
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from treeflash import Target, generate
@@ -18,17 +17,13 @@ from treeflash.drafters import block_drafter
 from treeflash.drafters.load import default_drafter_path, load_drafter_model
 from treeflash.eval.datasets import load_prompts
 
+from short_block_tau import mean_tau, tau_parser  # (scripts/)
+
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dataset", default="gsm8k")
-    p.add_argument("--limit", type=int, default=10)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--budgets", default="2,4,16")
+    p = tau_parser(__doc__.split("\n")[0], limit=10, max_new_tokens=128, budgets="2,4,16")
     p.add_argument("--methods", default="dflash,ddtree,treeflash")
-    p.add_argument("--drafter", help="a DFlash drafter folder (default: the shipped one)")
     p.add_argument("--treeflash", help="a TreeFlash drafter folder (default: the shipped one)")
-    p.add_argument("--out")
     args = p.parse_args()
     target = Target.load("smollm2-135m-instruct", dtype="float32")
     prompts = [target.encode_prompt(t) for t in load_prompts(args.dataset, limit=args.limit)]
@@ -40,7 +35,7 @@ def main() -> None:
             drafter = block_drafter(load_drafter_model(target, path, int4_products=four_bit), method)
             for budget in map(int, args.budgets.split(",")):
                 results = [generate(target, drafter, ids, args.max_new_tokens, budget=budget) for ids in prompts]
-                tau = sum(r.tau * len(r.rounds) for r in results) / sum(len(r.rounds) for r in results)
+                tau = mean_tau(results)
                 products = "4-bit" if four_bit else "dense"
                 rows.append({"method": method, "budget": budget, "products": products, "tau": tau})
                 print(f"{args.dataset} {method}@{budget} {products}: tau {tau:.3f}", flush=True)

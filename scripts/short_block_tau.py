@@ -19,15 +19,25 @@ from treeflash.drafters import make_drafter
 from treeflash.eval.datasets import load_prompts
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def tau_parser(description: str, limit: int, max_new_tokens: int, budgets: str) -> argparse.ArgumentParser:
+    """The options of the τ scripts that compare a drafter variant with the drafter as trained."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--dataset", default="gsm8k")
-    p.add_argument("--limit", type=int, default=5)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--budgets", default="2,4,8")
+    p.add_argument("--limit", type=int, default=limit)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--budgets", default=budgets)
     p.add_argument("--drafter", help="a DFlash drafter folder (default: the shipped one)")
     p.add_argument("--out")
-    args = p.parse_args()
+    return p
+
+
+def mean_tau(results) -> float:
+    """τ over every round of these `generate` results."""
+    return sum(r.tau * len(r.rounds) for r in results) / sum(len(r.rounds) for r in results)
+
+
+def main() -> None:
+    args = tau_parser(__doc__.split("\n")[0], limit=5, max_new_tokens=96, budgets="2,4,8").parse_args()
     target = Target.load("smollm2-135m-instruct", dtype="float32")
     prompts = [target.encode_prompt(t) for t in load_prompts(args.dataset, limit=args.limit)]
     drafter = make_drafter("ddtree", target, args.drafter)
@@ -39,7 +49,7 @@ def main() -> None:
             block = drafter.model.block_rows(budget + 1)
             results = [generate(target, drafter, ids, args.max_new_tokens, budget=budget) for ids in prompts]
             config.short_blocks = trained_short
-            tau = sum(r.tau * len(r.rounds) for r in results) / sum(len(r.rounds) for r in results)
+            tau = mean_tau(results)
             rows.append({"budget": budget, "block": block, "tau": tau})
             print(f"{args.dataset} ddtree budget {budget} block {block}: tau {tau:.3f}", flush=True)
     if args.out:
