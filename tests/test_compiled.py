@@ -209,7 +209,8 @@ def test_compiled_block_and_catch_up_equal_eager_over_contexts_that_grow(drafter
     assert model.compiled_context is not None
     cache = ContextCache(model, capacity=8)
     depths = (None, 1, 5, 2, model.config.block_size)  # every drafted position, or the first few (more: all)
-    for new, depth in zip((2, 1, 9, 2, 30), depths):  # 8 -> 16 -> 64: the buffers double as the context grows
+    # 8 -> 16 -> 64: the buffers double as the context grows; 40 new positions: a 4-bit drafter's dense catch-up
+    for new, depth in zip((2, 1, 9, 2, 40), depths):
         taps = torch.randn(new, len(model.config.target_layer_ids), model.config.hidden_size)
         positions = torch.arange(len(cache), len(cache) + new)
         states = model.context_states(taps, positions)

@@ -79,9 +79,9 @@ def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = 
 
     With `int4_products` (None: where the target's linears are 4-bit, `Target.int4_products`, the CPU's fast path)
     its linears and the LM-head rows it scores are rounded to 4 bits and multiplied on the target's kernel: after a
-    target step, its round's products then cost half of what bf16 ones do (docs/results/int4-drafter). The drafts change a little (the τ
-    that costs is measured there), the decoded tokens never: the target verifies them. The exact path (a dense
-    target) keeps the drafter as trained."""
+    target step, its round's products then cost half of what bf16 ones do (docs/results/int4-drafter). The drafts
+    change a little (the τ that costs is measured there), the decoded tokens never: the target verifies them. The
+    exact path (a dense target) keeps the drafter as trained."""
     model = DFlashDrafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     model = model.attach(target.model).to(target.device)
     if target.int4_products if int4_products is None else int4_products:

@@ -52,16 +52,17 @@ def linear(x: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w[0])
 
 
-def product(linears) -> tuple[torch.Tensor, ...]:
+def product(linears, dense: bool = False) -> tuple[torch.Tensor, ...]:
     """The tensors of one product over these bias-free linears on the same input (outputs concatenated): the dense
-    weight, or where they are single-part `Int4Linear`s the 4-bit kernel's packed values and its scales and zeros.
-    ValueError where they have no compiled form (biases, 4-bit rows that do not concatenate, mixed kinds)."""
+    weight, or where they are single-part `Int4Linear`s the 4-bit kernel's packed values and its scales and zeros
+    (unless `dense`: their kept dense copies). ValueError where they have no compiled form (biases, 4-bit rows that
+    do not concatenate, mixed kinds)."""
     if any(getattr(m, "bias", None) is not None for m in linears):
         raise ValueError("the compiled forwards have no biases")
-    if all(isinstance(m, Int4Linear) and len(m.parts) == 1 for m in linears):
+    if not dense and all(isinstance(m, Int4Linear) and len(m.parts) == 1 for m in linears):
         w = Int4Weight.cat([m.parts[0] for m in linears])
         return w.packed, w.scale_zeros
-    if any(isinstance(m, Int4Linear) for m in linears):
+    if any(m.weight is None or (isinstance(m, Int4Linear) and not dense) for m in linears):
         raise ValueError("the compiled forwards multiply single-part 4-bit linears, or dense ones")
     return (torch.cat([m.weight for m in linears]).detach(),)
 
@@ -149,13 +150,13 @@ def compile_block(c: DFlashConfig, dtype: torch.dtype, weights: tuple[torch.Tens
     return forward
 
 
-def context_weights(model) -> tuple[torch.Tensor, ...]:
+def context_weights(model, dense: bool = False) -> tuple[torch.Tensor, ...]:
     """A DFlash drafter's tensors in the compiled catch-up's order: `fc`, the hidden norm, then per layer its
-    k|v rows (one product) and k norm."""
-    weights = [*product([model.fc]), model.hidden_norm.weight.detach()]
+    k|v rows (one product) and k norm; with `dense`, the dense copies that 4-bit linears keep."""
+    weights = [*product([model.fc], dense), model.hidden_norm.weight.detach()]
     for layer in model.layers:
         a = layer.self_attn
-        weights += [*product([a.k_proj, a.v_proj]), a.k_norm.weight.detach()]
+        weights += [*product([a.k_proj, a.v_proj], dense), a.k_norm.weight.detach()]
     return tuple(weights)
 
 
@@ -187,7 +188,8 @@ class CatchUp(torch.nn.Module):
 
 def compile_context(c: DFlashConfig, dtype: torch.dtype, weights: tuple[torch.Tensor, ...], p: int) -> Callable:
     """The compiled `CatchUp` of drafters shaped as config `c` with tensors shaped as `weights`
-    (`context_weights`, p a product), loaded or built; called as `CatchUp.forward`, returning its three tensors."""
+    (`context_weights`, p a product), loaded or built; called as `CatchUp.forward`, returning its three tensors.
+    (A 4-bit drafter has two: a long prompt's catch-up runs on the dense copies, `DFlashDrafter.compile_block`.)"""
     key = ("catch-up", _shape(c), str(dtype), p, _shapes(weights), Path(__file__).read_bytes())
     auto = torch.export.Dim.AUTO  # positions: symbolic
 

@@ -10,6 +10,7 @@ reused, never stored in the drafter. Parameter names and config fields follow th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..runtime.transfer import upload
 from ..runtime import int4, packed
-from ..runtime.int4 import Int4Linear, Int4Weight
+from ..runtime.int4 import KEPT_DENSE_ROWS, Int4Linear, Int4Weight
 from . import dflash_io
 from .ar_layer import ARApproximation
 from .blocks import BlocksOverContext, Layer, RMSNorm
@@ -83,7 +84,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None = None  # inference only: token ids the LM head scores (use_draft_vocab)
         self.backbone_folder: Path | None = None  # loaded as an AR layer over this DFlash folder (see save_pretrained)
         self.compiled_block: tuple | None = None  # (the compiled block forward, its weights): `compile_block`
-        self.compiled_context: tuple | None = None  # (the compiled catch-up, its weights): `compile_block` too
+        self.compiled_context: Callable | None = None  # the compiled catch-up (taps, positions): `compile_block` too
         self.apply(self._init)
         self.ar_layer = None
         if c.ar_layer:
@@ -138,8 +139,7 @@ class DFlashDrafter(nn.Module):
         `positions` [m], and their injected keys and values, each [layers, kv_heads, m, head_dim] (what a
         ContextCache appends). Compiled after `compile_block`; `fuse` and `context_kv` are the reference."""
         if self.compiled_context is not None:
-            forward, weights = self.compiled_context
-            return forward(taps, positions, *weights)
+            return self.compiled_context(taps, positions)
         fused = self.fuse(taps)
         kv = self.context_kv(fused, positions)
         return (fused, torch.stack([k.transpose(0, 1) for k, _ in kv]),
@@ -273,11 +273,19 @@ class DFlashDrafter(nn.Module):
         from .compiled_block import block_weights, compile_block, compile_context, context_weights, product_tensors
 
         self.compiled_block = self.compiled_context = None
-        dtype, p = self.fc.weight.dtype, product_tensors(self)
+        c, dtype, p = self.config, self.fc.weight.dtype, product_tensors(self)
         weights, catch_up_weights = block_weights(self), context_weights(self)
-        forward = compile_block(self.config, dtype, weights, p)
-        catch_up = compile_context(self.config, dtype, catch_up_weights, p)
-        self.compiled_block, self.compiled_context = (forward, weights), (catch_up, catch_up_weights)
+        forward = compile_block(c, dtype, weights, p)
+        catch_up = compile_context(c, dtype, catch_up_weights, p)
+        if p == 1:
+            self.compiled_context = lambda taps, positions: catch_up(taps, positions, *catch_up_weights)
+        else:  # many positions (a prompt's) on the dense copies, as their eager `Int4Linear`s do
+            dense_weights = context_weights(self, dense=True)
+            dense = compile_context(c, dtype, dense_weights, 1)
+            self.compiled_context = lambda taps, positions: (
+                dense(taps, positions, *dense_weights) if len(taps) >= KEPT_DENSE_ROWS
+                else catch_up(taps, positions, *catch_up_weights))
+        self.compiled_block = (forward, weights)
         return self
 
     @torch.no_grad()
