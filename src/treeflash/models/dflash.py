@@ -207,8 +207,9 @@ class DFlashDrafter(nn.Module):
             # for inference only: training multiplies by the plain rows, so a copy would only cost memory
             if torch.is_grad_enabled():
                 copy = None
-            elif self.head_int4:
-                copy = Int4Linear([Int4Weight.from_ints(*int4.quantise(rows), torch.bfloat16)])
+            elif self.head_int4:  # (many rows, a batch's, multiply by the bf16 rows: KEPT_DENSE_ROWS)
+                copy = Int4Linear([Int4Weight.from_ints(*int4.quantise(rows), torch.bfloat16)], weight=rows)
+                copy.dense_rows = KEPT_DENSE_ROWS
             else:
                 copy = packed.pack(rows)
             self._head_cast = (head.weight, rows, copy)
