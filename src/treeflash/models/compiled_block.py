@@ -135,7 +135,7 @@ class Block(torch.nn.Module):
 def compile_block(c: DFlashConfig, dtype: torch.dtype, weights: tuple[torch.Tensor, ...], p: int) -> Callable:
     """The compiled `Block` of drafters shaped as config `c` with tensors shaped as `weights` (`block_weights`, p
     a product), loaded or built; called as forward(tokens, ctx_len, rows, k_cache, v_cache, *weights)."""
-    key = ("block", _shape(c), str(dtype), p, _shapes(weights), Path(__file__).read_bytes())
+    key = ("block", _shape(c), str(dtype), p, aoti.shapes(weights), Path(__file__).read_bytes())
     auto = torch.export.Dim.AUTO  # block positions, context length, rows, cache capacity: symbolic
     dims = ({0: auto}, {0: auto}, {0: auto}, {2: auto}, {2: auto}, None, (None,) * (len(weights) - 1))
 
@@ -190,7 +190,7 @@ def compile_context(c: DFlashConfig, dtype: torch.dtype, weights: tuple[torch.Te
     """The compiled `CatchUp` of drafters shaped as config `c` with tensors shaped as `weights`
     (`context_weights`, p a product), loaded or built; called as `CatchUp.forward`, returning its three tensors.
     (A 4-bit drafter has two: a long prompt's catch-up runs on the dense copies, `DFlashDrafter.compile_block`.)"""
-    key = ("catch-up", _shape(c), str(dtype), p, _shapes(weights), Path(__file__).read_bytes())
+    key = ("catch-up", _shape(c), str(dtype), p, aoti.shapes(weights), Path(__file__).read_bytes())
     auto = torch.export.Dim.AUTO  # positions: symbolic
 
     def export() -> torch.export.ExportedProgram:  # traced on 3 positions
@@ -205,10 +205,6 @@ def _shape(c: DFlashConfig) -> tuple:
     """What the compiled code depends on in a drafter's config."""
     return (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
             c.rms_norm_eps, c.rope_theta, len(c.target_layer_ids))
-
-
-def _shapes(weights: tuple[torch.Tensor, ...]) -> list:
-    return [(tuple(w.shape), str(w.dtype)) for w in weights]
 
 
 def _sized(n: int) -> torch.Tensor:

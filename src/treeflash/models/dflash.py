@@ -208,8 +208,8 @@ class DFlashDrafter(nn.Module):
             if torch.is_grad_enabled():
                 copy = None
             elif self.head_int4:  # (many rows, a batch's, multiply by the bf16 rows: KEPT_DENSE_ROWS)
-                copy = Int4Linear([Int4Weight.from_ints(*int4.quantise(rows), torch.bfloat16)], weight=rows)
-                copy.dense_rows = KEPT_DENSE_ROWS
+                copy = Int4Linear([Int4Weight.from_ints(*int4.quantise(rows), torch.bfloat16)], weight=rows,
+                                  dense_rows=KEPT_DENSE_ROWS)
             else:
                 copy = packed.pack(rows)
             self._head_cast = (head.weight, rows, copy)

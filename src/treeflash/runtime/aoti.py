@@ -51,6 +51,11 @@ def package(name: str, key: tuple, export: Callable[[], torch.export.ExportedPro
     return lambda *args: run(list(args))
 
 
+def shapes(tensors: tuple[torch.Tensor, ...]) -> list[tuple]:
+    """What a package's key says of the tensors passed in (their values are not in the package)."""
+    return [(tuple(t.shape), str(t.dtype)) for t in tensors]
+
+
 def export_sized(module: torch.nn.Module, args: tuple, dims: tuple) -> torch.export.ExportedProgram:
     """`torch.export` of module(*args) with symbolic sizes `dims`, from 0 up: without `backed_size_oblivious`,
     export assumes every symbolic size is at least 2 (and a size of 1 would need a graph of its own)."""

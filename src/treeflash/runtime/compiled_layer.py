@@ -115,8 +115,7 @@ def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, w
     of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights`), for forwards of one sequence
     (`sequences` 1) or of any number (2): loaded from the cache, or built first (`aoti.package`: one per model shape
     and machine). Called as `Layer.forward`."""
-    key = (shape, eps, str(dtype), [(tuple(w.shape), str(w.dtype)) for w in weights], sequences,
-           Path(__file__).read_bytes())
+    key = (shape, eps, str(dtype), aoti.shapes(weights), sequences, Path(__file__).read_bytes())
     auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
     dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
             {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}) + (None,) * len(weights)

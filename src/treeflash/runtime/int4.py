@@ -105,13 +105,13 @@ class Int4Linear(nn.Module):
     that many rows or more multiply by it instead (F.linear)."""
 
     def __init__(self, parts: list[Int4Weight], bias: torch.Tensor | None = None,
-                 weight: torch.Tensor | None = None, source: str = "int4"):
+                 weight: torch.Tensor | None = None, source: str = "int4", dense_rows: int | None = None):
         super().__init__()
         self.parts, self.source = parts, source  # source: the format the weights came in (Q4_1, Q8_0, ...)
         self.out_features, self.in_features = parts[0].shape
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight = None if weight is None else nn.Parameter(weight.detach(), requires_grad=False)
-        self.dense_rows: int | None = None
+        self.dense_rows = dense_rows
 
     @property
     def kernel_dtype(self) -> torch.dtype:
@@ -172,10 +172,9 @@ def quantise_linears(module: nn.Module, dtype: torch.dtype, group: int = GROUP,
                 continue
             q, scale, zero = quantise(child.weight, group)
             rounded = dequantise(q, scale, zero, group).to(child.weight) if keep_weight else None
-            linear = Int4Linear([Int4Weight.from_ints(q, scale, zero, dtype, group)], child.bias, weight=rounded,
-                                source=f"int4 g{group}")
-            linear.dense_rows = KEPT_DENSE_ROWS if keep_weight else None
-            setattr(parent, name, linear)
+            setattr(parent, name, Int4Linear([Int4Weight.from_ints(q, scale, zero, dtype, group)], child.bias,
+                                             weight=rounded, source=f"int4 g{group}",
+                                             dense_rows=KEPT_DENSE_ROWS if keep_weight else None))
             swapped += 1
     return swapped
 
