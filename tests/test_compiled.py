@@ -248,6 +248,9 @@ def test_drafters_without_a_compiled_form_or_toolchain_draft_eager(compiled, mon
     learned_mask = tiny_drafter(compiled, mask_token_id=None)
     assert compiled_like(compiled, learned_mask).compiled_block is None
     assert compiled_like(tiny_target("llama"), tiny_drafter(compiled)).compiled_block is None  # target eager
+    partly_int4 = tiny_drafter(compiled)  # the compiled forwards index a product's tensors by one count for all
+    int4.quantise_linears(partly_int4.layers[0].mlp, torch.float32, keep_weight=True)
+    assert compiled_like(compiled, partly_int4).compiled_block is None
 
     def broken(*args, **kwargs):
         raise RuntimeError("C++ compile error\nPython.h: No such file or directory")

@@ -68,8 +68,18 @@ def product(linears, dense: bool = False) -> tuple[torch.Tensor, ...]:
 
 
 def product_tensors(model) -> int:
-    """Tensors per product of this drafter in the compiled forwards: 2 for 4-bit linears, 1 for dense ones."""
-    return 2 if isinstance(model.fc, Int4Linear) else 1
+    """Tensors per product of this drafter in the compiled forwards: 2 for 4-bit linears, 1 for dense ones (as
+    `product` decides; `block_weights` and `context_weights` hold every product to it)."""
+    return len(product([model.fc]))
+
+
+def _checked(model, products: list[tuple[torch.Tensor, ...]], dense: bool = False) -> list[tuple[torch.Tensor, ...]]:
+    """The products, where each has as many tensors as the compiled forwards expect (they index the weights by
+    that count): ValueError for a drafter whose linears are partly 4-bit."""
+    p = 1 if dense else product_tensors(model)
+    if any(len(t) != p for t in products):
+        raise ValueError("the compiled forwards need a drafter's linears all 4-bit or all dense")
+    return products
 
 
 def block_weights(model) -> tuple[torch.Tensor, ...]:
@@ -81,9 +91,10 @@ def block_weights(model) -> tuple[torch.Tensor, ...]:
     weights = [model.embed.weight.detach()]
     for layer in model.layers:
         a, mlp = layer.self_attn, layer.mlp
+        qkv, o, gate_up, down = _checked(model, [product([a.q_proj, a.k_proj, a.v_proj]), product([a.o_proj]),
+                                                 product([mlp.gate_proj, mlp.up_proj]), product([mlp.down_proj])])
         weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                    *product([a.q_proj, a.k_proj, a.v_proj]), a.q_norm.weight.detach(), a.k_norm.weight.detach(),
-                    *product([a.o_proj]), *product([mlp.gate_proj, mlp.up_proj]), *product([mlp.down_proj])]
+                    *qkv, a.q_norm.weight.detach(), a.k_norm.weight.detach(), *o, *gate_up, *down]
     return tuple(weights)
 
 
@@ -153,10 +164,12 @@ def compile_block(c: DFlashConfig, dtype: torch.dtype, weights: tuple[torch.Tens
 def context_weights(model, dense: bool = False) -> tuple[torch.Tensor, ...]:
     """A DFlash drafter's tensors in the compiled catch-up's order: `fc`, the hidden norm, then per layer its
     k|v rows (one product) and k norm; with `dense`, the dense copies that 4-bit linears keep."""
-    weights = [*product([model.fc], dense), model.hidden_norm.weight.detach()]
+    (fc,) = _checked(model, [product([model.fc], dense)], dense)
+    weights = [*fc, model.hidden_norm.weight.detach()]
     for layer in model.layers:
         a = layer.self_attn
-        weights += [*product([a.k_proj, a.v_proj], dense), a.k_norm.weight.detach()]
+        (kv,) = _checked(model, [product([a.k_proj, a.v_proj], dense)], dense)
+        weights += [*kv, a.k_norm.weight.detach()]
     return tuple(weights)
 
 
