@@ -75,7 +75,7 @@ def test_the_context_catches_up_in_pieces_as_at_once():
     model = tiny_eagle3(target, seed=1)
     tokens = random.Random(1).choices(range(96), k=31)
     feats = torch.randn(30, 3, 64)
-    whole, pieces = Eagle3Decoder(model), Eagle3Decoder(model)
+    whole, pieces = Eagle3Decoder(model), Eagle3Decoder(model, capacity=4)  # its buffers grow twice
     with torch.no_grad():
         whole.observe(tokens, feats)
         for a, b in ((0, 7), (7, 8), (8, 30)):
@@ -128,6 +128,8 @@ def test_eagle3_gives_the_targets_tokens(kind):
     ar = generate(target, make_drafter("ar"), prompt, 40).tokens
     for budget in (1, 3, 16, "auto"):
         assert generate(target, Eagle3Decoder(model), prompt, 40, budget=budget).tokens == ar
+    # buffers that grow while a tree's K/V are written after the context
+    assert generate(target, Eagle3Decoder(model, capacity=97), prompt, 40, budget=16).tokens == ar
 
 
 def test_the_specforge_layout_round_trips(tmp_path):

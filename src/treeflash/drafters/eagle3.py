@@ -24,13 +24,13 @@ MAX_DEPTH = 6  # EAGLE-2's depth for its 60-token trees
 
 class Eagle3Decoder:
     """The `eagle3` method over an Eagle3Drafter `model`: frontiers of at most `top_k` nodes, trees at most `depth`
-    deep (and, for a budget B, at most B wide and B deep)."""
+    deep (and, for a budget B, at most B wide and B deep); K/V buffers for `capacity` positions to start with."""
 
     drafts = True
     name = "eagle3"
 
-    def __init__(self, model: Eagle3Drafter, top_k: int = TOP_K, depth: int = MAX_DEPTH):
-        self.model, self.top_k, self.depth = model.eval(), top_k, depth
+    def __init__(self, model: Eagle3Drafter, top_k: int = TOP_K, depth: int = MAX_DEPTH, capacity: int = 512):
+        self.model, self.top_k, self.depth, self.capacity = model.eval(), top_k, depth, capacity
         self.taps = tuple(model.config.target_layer_ids)
         self.forward_s = 0.0  # cumulative: the layer calls (the catch-up and every depth), bench's split
         self.adapter_calls = 0  # cumulative: the sequential layer calls of tree growth
@@ -38,16 +38,29 @@ class Eagle3Decoder:
 
     def reset(self) -> None:
         c = self.model.config
-        self.k = self.model.fc.weight.new_zeros(0, c.num_key_value_heads, c.head_dim)  # the context's K/V [C, ...]
-        self.v = self.k
+        # K/V [capacity, kv_heads, head_dim]: the context's first, then a round's tree nodes' as scratch, so that
+        # nothing as long as the context is copied per round or per depth (the buffers double when they must grow)
+        self._k = self.model.fc.weight.new_zeros(self.capacity, c.num_key_value_heads, c.head_dim)
+        self._v = torch.zeros_like(self._k)
+        self.ctx_len = 0
         self.state: torch.Tensor | None = None  # the layer's output at the last committed position [H]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The context's keys [C, kv_heads, head_dim] (a view)."""
+        return self._k[:self.ctx_len]
+
+    def _write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the K/V of positions start.. (the context's, or a round's tree nodes' after it)."""
+        end = start + len(k)
+        if end > len(self._k):
+            grown = max(end, 2 * len(self._k))
+            self._k = torch.cat([self._k[:start], self._k.new_zeros(grown - start, *self._k.shape[1:])])
+            self._v = torch.cat([self._v[:start], self._v.new_zeros(grown - start, *self._v.shape[1:])])
+        self._k[start:end], self._v[start:end] = k, v
 
     def follow(self, sampling, generator=None) -> None:
         """The tree is deterministic whatever the sampling (see the module's docstring)."""
-
-    @property
-    def ctx_len(self) -> int:
-        return len(self.k)
 
     @torch.no_grad()
     def observe(self, tokens: list[int], features: torch.Tensor) -> None:
@@ -59,10 +72,12 @@ class Eagle3Decoder:
         emb = self.model.embed(torch.tensor(tokens[start + 1:start + m + 1], device=device))
         state = self.model.fuse(features.to(device))
         q, k, v = self.model.midlayer.qkv(emb, state, positions)
-        self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
+        self._write(start, k, v)
+        self.ctx_len = start + m
         # the first call (the prompt) is plainly causal; later ones see the whole cached context before them
         mask = None if start == 0 else torch.arange(start + m, device=device)[None, :] <= positions[:, None]
-        self.state = self.model.midlayer.finish(state, attend(q, self.k, self.v, mask, causal=start == 0))[-1]
+        self.state = self.model.midlayer.finish(state, attend(q, self.k, self._v[:start + m], mask,
+                                                              causal=start == 0))[-1]
 
     @torch.no_grad()
     def propose(self, tokens: list[int], features: torch.Tensor | None, budget: int) -> DraftTree:
@@ -77,11 +92,11 @@ class Eagle3Decoder:
     def grow(self, root: int, budget: int) -> DraftTree:
         """EAGLE-2's tree of at most `budget` draft nodes below `root` (see the module's docstring)."""
         model, width, depth = self.model, min(self.top_k, budget), min(self.depth, budget)
-        vocab, device = model.vocab_ids, self.k.device
+        vocab, device = model.vocab_ids, self._k.device
         # nodes: token, parent, path score, probability given the parent; node 0 is the root
         tokens, parents, scores, probs = [root], [-1], [0.0], [1.0]
         ancestors = [[]]  # per node, the expanded nodes (rows of the tree's K/V below) on its path, itself included
-        keys, values = [], []  # K/V of the expanded nodes, a tensor per depth
+        context, expanded = self.ctx_len, 0  # the expanded nodes' K/V follow the context's in the buffers
         frontier, states = [0], self.state[None]  # the nodes to expand, and the outputs that predict their children
         for d in range(1, depth + 1):
             logp = torch.log_softmax(model.scores(states).float(), dim=-1)  # [f, V']
@@ -101,19 +116,17 @@ class Eagle3Decoder:
             # expand the new frontier: [its tokens' embeddings ; its parents' outputs] at position C - 1 + d
             emb = model.embed(torch.tensor([tokens[n] for n in children], device=device))
             state = states[torch.tensor([frontier.index(parents[n]) for n in children], device=device)]
-            positions = torch.full((len(children),), self.ctx_len - 1 + d, device=device)
+            positions = torch.full((len(children),), context - 1 + d, device=device)
             q, k, v = model.midlayer.qkv(emb, state, positions)
-            expanded = sum(map(len, keys))
+            self._write(context + expanded, k, v)
             for i, n in enumerate(children):
                 ancestors[n] = ancestors[n] + [expanded + i]
-            keys.append(k)
-            values.append(v)
-            tree_k, tree_v = torch.cat(keys), torch.cat(values)
-            sees = torch.zeros(len(children), len(tree_k), dtype=torch.bool, device=device)
+            expanded += len(children)
+            sees = torch.zeros(len(children), context + expanded, dtype=torch.bool, device=device)
+            sees[:, :context] = True
             for i, n in enumerate(children):
-                sees[i, ancestors[n]] = True
-            mask = torch.cat([sees.new_ones(len(children), self.ctx_len), sees], dim=1)
-            out = attend(q, torch.cat([self.k, tree_k]), torch.cat([self.v, tree_v]), mask)
+                sees[i, [context + a for a in ancestors[n]]] = True
+            out = attend(q, self._k[:context + expanded], self._v[:context + expanded], sees)
             frontier, states = children, model.midlayer.finish(state, out)
             self.adapter_calls += 1
         # the best `budget` nodes by path score, parents first among equals
