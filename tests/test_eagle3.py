@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treeflash import Sampling, generate
+from treeflash import generate
 from treeflash.cli import main
 from treeflash.drafters import make_drafter
 from treeflash.drafters.eagle3 import Eagle3Decoder
-from treeflash.models.eagle3 import Eagle3Config, Eagle3Drafter, attend, eagle3_taps
+from treeflash.models.eagle3 import Eagle3Config, Eagle3Drafter, attend, attend_rows, eagle3_taps
 from treeflash.train.dflash import Sequence, target_view
 from treeflash.train.eagle3 import eagle3_loss, ttt_states
 
@@ -190,3 +190,15 @@ def test_train_and_generate_from_the_command_line(tmp_path, tiny_folder, capsys)
                  str(drafter), "--dtype", "float32", "--max-new-tokens", "8", "--budget", "4"]) == 0
     assert main(["generate", "hi", "--target", tiny_folder, "--method", "eagle3", "--dtype", "float32"]) == 2
     assert "no EAGLE-3 drafter ships" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows, keys", [(1, 40), (3, 57), (8, 300)])
+def test_the_rounds_attention_is_sdpas(rows, keys):
+    """`attend_rows` (grouped-query heads as product rows, fp32) against SDPA's `attend`, under a random mask that
+    leaves every row a key."""
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, 6, 16, generator=g)
+    k, v = torch.randn(2, keys, 2, 16, generator=g)
+    mask = torch.rand(rows, keys, generator=g) > 0.3
+    mask[:, 0] = True
+    torch.testing.assert_close(attend_rows(q, k, v, mask), attend(q, k, v, mask), atol=ATOL, rtol=0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..clock import now
-from ..models.eagle3 import Eagle3Drafter, attend
+from ..models.eagle3 import Eagle3Drafter, attend, attend_rows
 from ..tree import DraftTree
 
 CPU = torch.device("cpu")
@@ -75,9 +75,12 @@ class Eagle3Decoder:
         self._write(start, k, v)
         self.ctx_len = start + m
         # the first call (the prompt) is plainly causal; later ones see the whole cached context before them
-        mask = None if start == 0 else torch.arange(start + m, device=device)[None, :] <= positions[:, None]
-        self.state = self.model.midlayer.finish(state, attend(q, self.k, self._v[:start + m], mask,
-                                                              causal=start == 0))[-1]
+        if start == 0:  # the prompt: plainly causal (SDPA's fused kernel)
+            out = attend(q, self.k, self._v[:m], None, causal=True)
+        else:  # later ones see the whole cached context before them
+            out = attend_rows(q, self.k, self._v[:start + m],
+                              torch.arange(start + m, device=device)[None, :] <= positions[:, None])
+        self.state = self.model.midlayer.finish(state, out)[-1]
 
     @torch.no_grad()
     def propose(self, tokens: list[int], features: torch.Tensor | None, budget: int) -> DraftTree:
@@ -126,7 +129,7 @@ class Eagle3Decoder:
             sees[:, :context] = True
             for i, n in enumerate(children):
                 sees[i, [context + a for a in ancestors[n]]] = True
-            out = attend(q, self._k[:context + expanded], self._v[:context + expanded], sees)
+            out = attend_rows(q, self._k[:context + expanded], self._v[:context + expanded], sees)
             frontier, states = children, model.midlayer.finish(state, out)
             self.adapter_calls += 1
         # the best `budget` nodes by path score, parents first among equals

@@ -138,6 +138,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(0, 1)
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`attend` with a mask, for the few query rows of a drafting round over a long context: each KV head's query
+    heads as the rows of one product, in fp32. SDPA's CPU kernels split the work by query blocks, so 1-8 rows keep
+    one core busy: over 2,650 keys it took 0.65-1.7 ms where this takes 0.3-0.7 ms (2 cores)."""
+    (T, heads, d), dtype = q.shape, q.dtype
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    q = q.transpose(0, 1).reshape(kv_heads, groups * T, d).float()  # rows (query head in its group, position)
+    scores = (q @ k.permute(1, 2, 0).float()) * d ** -0.5
+    scores = scores.masked_fill(~mask.repeat(groups, 1), float("-inf"))
+    out = scores.softmax(-1) @ v.transpose(0, 1).float()
+    return out.reshape(heads, T, d).transpose(0, 1).to(dtype)
+
+
 class Eagle3Drafter(nn.Module):
     """The EAGLE-3 model: `fuse` the target's taps, run `layer` over [embedding ; state], `scores` over the draft
     vocabulary (`vocab_ids` its target ids). Decoding is `drafters/eagle3.py`, training `train/eagle3.py`."""
