@@ -1,5 +1,6 @@
 """ms per eagle3 drafting round right after a target AR step (its catch-up of 1 position, then the tree), on the
-longest of a data set's first prompts, at a few budgets: the command line's defaults for the target, medians.
+longest of a data set's first prompts, at a few budgets: the command line's defaults for the target, medians; the
+drafter 4-bit (as loaded where the target is) and dense.
 
     python scripts/eagle3_round.py [--drafter data/stages/smollm2-135m-instruct-eagle3] [--dataset chat-dev]
 """
@@ -14,7 +15,7 @@ import time
 import torch
 
 from treeflash import DraftTree, Target
-from treeflash.drafters import make_drafter
+from treeflash.drafters.load import load_eagle3_drafter
 from treeflash.eval.datasets import load_prompts
 
 
@@ -27,24 +28,27 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     target = Target.load(dtype="auto", compile="auto")
-    drafter = make_drafter("eagle3", target, args.drafter)
     prompt = max((target.encode_prompt(t) for t in load_prompts(args.dataset, limit=10)), key=len)
-    taps = target.prefill(prompt, taps=drafter.taps).hidden
-    tokens = prompt + [5]
-    ms = {}
-    with torch.no_grad():
-        for budget in map(int, args.budgets.split(",")):
-            times = []
-            for _ in range(args.repeats):
-                drafter.reset()
-                drafter.observe(tokens, taps[:-1])  # every position but the last, as after a few AR steps
-                target.verify(DraftTree.chain(5))
-                target.discard()
-                start = time.perf_counter()
-                drafter.propose(tokens, taps[-1:], budget)
-                times.append(time.perf_counter() - start)
-            ms[budget] = 1e3 * statistics.median(times)
-            print(f"context {len(prompt)}, budget {budget}: {ms[budget]:.2f} ms a round", flush=True)
+    tokens, ms = prompt + [5], {}
+    for products, four_bit in (("4-bit", True), ("dense", False)):  # the drafter's linears (4-bit: the default)
+        if four_bit and not target.int4_products:
+            continue
+        drafter = load_eagle3_drafter(target, args.drafter, int4_products=four_bit)
+        taps = target.prefill(prompt, taps=drafter.taps).hidden
+        with torch.no_grad():
+            for budget in map(int, args.budgets.split(",")):
+                times = []
+                for _ in range(args.repeats):
+                    drafter.reset()
+                    drafter.observe(tokens, taps[:-1])  # every position but the last, as after a few AR steps
+                    target.verify(DraftTree.chain(5))
+                    target.discard()
+                    start = time.perf_counter()
+                    drafter.propose(tokens, taps[-1:], budget)
+                    times.append(time.perf_counter() - start)
+                ms[f"{products}@{budget}"] = 1e3 * statistics.median(times)
+                print(f"context {len(prompt)}, {products} drafter, budget {budget}: "
+                      f"{ms[f'{products}@{budget}']:.2f} ms a round", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"context": len(prompt), "ms_per_round": ms, "repeats": args.repeats}, f, indent=1)

@@ -14,6 +14,7 @@ from treeflash.cli import main
 from treeflash.drafters import make_drafter
 from treeflash.drafters.eagle3 import Eagle3Decoder
 from treeflash.models.eagle3 import Eagle3Config, Eagle3Drafter, attend, attend_rows, eagle3_taps
+from treeflash.runtime import int4
 from treeflash.train.dflash import Sequence, target_view
 from treeflash.train.eagle3 import eagle3_loss, ttt_states
 
@@ -130,6 +131,9 @@ def test_eagle3_gives_the_targets_tokens(kind):
         assert generate(target, Eagle3Decoder(model), prompt, 40, budget=budget).tokens == ar
     # buffers that grow while a tree's K/V are written after the context
     assert generate(target, Eagle3Decoder(model, capacity=97), prompt, 40, budget=16).tokens == ar
+    # its linears 4-bit (what loading does where the target's are): other drafts, the same tokens
+    assert int4.quantise_linears(model, torch.float32, keep_weight=True) == 9
+    assert generate(target, Eagle3Decoder(model), prompt, 40, budget=16).tokens == ar
 
 
 def test_the_specforge_layout_round_trips(tmp_path):

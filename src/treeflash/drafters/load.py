@@ -134,8 +134,9 @@ def load_dflash2_drafter(target, path: str | Path | None, method: str = "dflash2
     return block_drafter(pack_linears(model.attach(target.model).to(target.device)), method)
 
 
-def load_eagle3_drafter(target, path: str | Path | None) -> Eagle3Decoder:
-    """Method eagle3 over the EAGLE-3 drafter in `path` (ours, or SpecForge's layout; none ships)."""
+def load_eagle3_drafter(target, path: str | Path | None, int4_products: bool | None = None) -> Eagle3Decoder:
+    """Method eagle3 over the EAGLE-3 drafter in `path` (ours, or SpecForge's layout; none ships); its linears
+    (LM head included) 4-bit where the target's are, as `load_drafter_model` does for a DFlash drafter."""
     if path is None:
         raise FileNotFoundError("no EAGLE-3 drafter ships with treeflash: pass --drafter PATH (one trained by "
                                 "`treeflash train eagle3`, or a SpecForge / SGLang EAGLE-3 folder)")
@@ -143,4 +144,7 @@ def load_eagle3_drafter(target, path: str | Path | None) -> Eagle3Decoder:
         raise DrafterError(f"{path} is not an EAGLE-3 drafter "
                            "(config.json's architectures lack LlamaForCausalLMEagle3)")
     model = Eagle3Drafter.from_pretrained(path, dtype=drafting_dtype(target.device))
-    return Eagle3Decoder(pack_linears(model.attach(target.model).to(target.device)))
+    model = model.attach(target.model).to(target.device)
+    if target.int4_products if int4_products is None else int4_products:
+        int4.quantise_linears(model, torch.bfloat16, keep_weight=True)
+    return Eagle3Decoder(pack_linears(model))
