@@ -141,7 +141,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`attend` with a mask, for the few query rows of a drafting round over a long context: each KV head's query
     heads as the rows of one product, in fp32. SDPA's CPU kernels split the work by query blocks, so 1-8 rows keep
-    one core busy: over 2,650 keys it took 0.65-1.7 ms where this takes 0.3-0.7 ms (2 cores)."""
+    one core busy (docs/results/eagle3: a round's cost)."""
     (T, heads, d), dtype = q.shape, q.dtype
     kv_heads = k.shape[1]
     groups = heads // kv_heads
