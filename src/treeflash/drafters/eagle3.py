@@ -74,12 +74,11 @@ class Eagle3Decoder:
         q, k, v = self.model.midlayer.qkv(emb, state, positions)
         self._write(start, k, v)
         self.ctx_len = start + m
-        # the first call (the prompt) is plainly causal; later ones see the whole cached context before them
+        k, v = self._k[:start + m], self._v[:start + m]
         if start == 0:  # the prompt: plainly causal (SDPA's fused kernel)
-            out = attend(q, self.k, self._v[:m], None, causal=True)
+            out = attend(q, k, v, None, causal=True)
         else:  # later ones see the whole cached context before them
-            out = attend_rows(q, self.k, self._v[:start + m],
-                              torch.arange(start + m, device=device)[None, :] <= positions[:, None])
+            out = attend_rows(q, k, v, torch.arange(start + m, device=device)[None, :] <= positions[:, None])
         self.state = self.model.midlayer.finish(state, out)[-1]
 
     @torch.no_grad()

@@ -84,10 +84,17 @@ def load_drafter_model(target, path: str | Path, draft_vocab_size: int | None = 
     exact path (a dense target) keeps the drafter as trained."""
     model = DFlashDrafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     model = model.attach(target.model).to(target.device)
-    if target.int4_products if int4_products is None else int4_products:
-        int4.quantise_linears(model, torch.bfloat16, keep_weight=True)
-        model.head_int4 = True
+    model.head_int4 = rounded_like_target(target, model, int4_products)
     return compiled_like(target, pack_linears(model.use_draft_vocab(draft_vocab(model, path, draft_vocab_size))))
+
+
+def rounded_like_target(target, model: torch.nn.Module, int4_products: bool | None = None) -> bool:
+    """Round the drafter's linears to 4 bits (keeping dense copies for many-row products) where `int4_products`
+    says, None: where the target's are (`Target.int4_products`). Returns whether it did."""
+    four_bit = target.int4_products if int4_products is None else int4_products
+    if four_bit:
+        int4.quantise_linears(model, torch.bfloat16, keep_weight=True)
+    return four_bit
 
 
 def compiled_like(target, model: DFlashDrafter) -> DFlashDrafter:
@@ -145,6 +152,5 @@ def load_eagle3_drafter(target, path: str | Path | None, int4_products: bool | N
                            "(config.json's architectures lack LlamaForCausalLMEagle3)")
     model = Eagle3Drafter.from_pretrained(path, dtype=drafting_dtype(target.device))
     model = model.attach(target.model).to(target.device)
-    if target.int4_products if int4_products is None else int4_products:
-        int4.quantise_linears(model, torch.bfloat16, keep_weight=True)
+    rounded_like_target(target, model, int4_products)
     return Eagle3Decoder(pack_linears(model))
