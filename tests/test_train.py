@@ -10,7 +10,8 @@ import torch
 from treeflash.cli import main
 from treeflash.models.checkpoint import DrafterError
 from treeflash.models.dflash import DFlashDrafter
-from treeflash.train.store import AnswerStore, load_answers
+from treeflash.eval.datasets import DatasetError
+from treeflash.train.store import Answer, AnswerStore, load_answers, select_sources
 from treeflash.models.blocks import block_mask
 from treeflash.train.dflash import (Sequence, block_lengths, dflash_loss, drafted_positions, sample_anchors,
                                     target_view)
@@ -343,6 +344,20 @@ def test_the_store_finds_what_is_wrong_with_it(tmp_path, tiny_folder, capsys):  
     assert "sha256 differs" in capsys.readouterr().err
     shard.unlink()
     assert store.verify()[0] == "shard-00000.npz: missing"
+
+
+def test_sources_keep_whole_sources_and_the_first_n_of_capped_ones():
+    answers = [Answer(f"{s}/{i}", [1], t, 0) for t in (0.0, 1.0) for s in ("gsm8k", "sharegpt", "mbpp")
+               for i in range(4)]
+    kept = select_sources(answers, "sharegpt, gsm8k:3")
+    assert [a.id for a in kept if a.id.startswith("sharegpt")] == [f"sharegpt/{i}" for i in range(4)] * 2
+    assert [(a.id, a.temperature) for a in kept if a.id.startswith("gsm8k")] == [(f"gsm8k/{i}", 0.0) for i in range(3)]
+    assert not any(a.id.startswith("mbpp") for a in kept)
+    assert select_sources(answers, None) == answers
+    with pytest.raises(DatasetError, match="no answers of code_alpaca"):
+        select_sources(answers, "code_alpaca")
+    with pytest.raises(DatasetError, match="positive count"):
+        select_sources(answers, "gsm8k:0")
 
 
 def test_old_jsonl_folders_import_into_a_store(tmp_path):

@@ -186,13 +186,40 @@ def stores(paths: str | Path) -> list[AnswerStore]:
     return out
 
 
-def load_answers(paths: str | Path, encode: Callable[[str], list[int]], data_dir: Path) -> list[dict]:
-    """Training rows {id, prompt_ids, response_ids, temperature} of one store or several (commas), in a fixed
-    order: each prompt read back by its id from the prompt sets in `data_dir` and encoded by `encode` (the
-    target's chat template), checked against the checksum its answer was stored with."""
+def select_sources(answers: list[Answer], spec: str | None) -> list[Answer]:
+    """The answers of the sources `spec` names (commas): `sharegpt` keeps all of that source's answers,
+    `gsm8k:300` the first 300 in the stores' order (None: every answer). A fine-tune that should lean on one
+    domain, the chat Weaver's, keeps that source whole and a few hundred of each other."""
+    if spec is None:
+        return answers
+    caps: dict[str, int | None] = {}
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        name, _, cap = item.partition(":")
+        if cap and not (cap.isdigit() and int(cap) > 0):
+            raise DatasetError(f"--sources {item!r}: a cap is a positive count, as in {name}:300")
+        caps[name] = int(cap) if cap else None
+    held = {a.id.split("/")[0] for a in answers}
+    if unknown := sorted(set(caps) - held):
+        raise DatasetError(f"--sources: the stores hold no answers of {', '.join(unknown)} "
+                           f"(they hold {', '.join(sorted(held))})")
+    kept, seen = [], dict.fromkeys(caps, 0)
+    for a in answers:
+        source = a.id.split("/")[0]
+        if source in caps and (caps[source] is None or seen[source] < caps[source]):
+            seen[source] += 1
+            kept.append(a)
+    return kept
+
+
+def load_answers(paths: str | Path, encode: Callable[[str], list[int]], data_dir: Path,
+                 sources: str | None = None) -> list[dict]:
+    """Training rows {id, prompt_ids, response_ids, temperature} of one store or several (commas), of the
+    `sources` chosen (select_sources), in a fixed order: each prompt read back by its id from the prompt sets in
+    `data_dir` and encoded by `encode` (the target's chat template), checked against the checksum its answer was
+    stored with."""
     from .data import training_prompts
 
-    answers = [a for store in stores(paths) for a in store.answers()]
+    answers = select_sources([a for store in stores(paths) for a in store.answers()], sources)
     sources = sorted({a.id.split("/")[0] for a in answers})
     texts = dict(training_prompts(data_dir, sources))
     encoded: dict[str, list[int]] = {}
