@@ -1,5 +1,6 @@
 """The table of scripts/eagle3_table.sh: tau (T = 0) or E[tau] (T = 1) per domain and budget of the EAGLE-3 drafter
-beside the shipped drafters' methods, from OUT_DIR/{eagle3,shipped}-D-T{t}.json (markdown on stdout).
+beside the shipped drafters' methods, from OUT_DIR/eagle3-D-T{t}.json and OUT_DIR/shipped-METHOD-D-T{t}.json, one
+method per file, each on its own rounds (markdown on stdout).
 
     python scripts/eagle3_table.py [OUT_DIR]      # docs/results/eagle3/eval
 """
@@ -22,7 +23,7 @@ def main(out: Path) -> None:
             print("|---|" + "---|" * (len(METHODS) + 1))
             for domain in DOMAINS:
                 taus = {}
-                for arm in ("shipped", "eagle3"):
+                for arm in [f"shipped-{m}" for m in METHODS[:-1]] + ["eagle3"]:
                     path = out / f"{arm}-{domain}-T{t}.json"
                     if path.is_file():
                         for name, m in json.loads(path.read_text())["methods"].items():
