@@ -52,6 +52,20 @@ def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
     assert "pld" in table and "speedup" in table
 
 
+def test_bench_repeats_pool_each_prompts_runs(tiny_folder, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--target", tiny_folder, "--dataset", "gsm8k", "--limit", "2", "--methods", "pld",
+            "--max-new-tokens", "6", "--no-progress", "--dtype", "float32"]
+    assert main(args + ["--out", str(out)]) == 0
+    once = json.loads(out.read_text())["methods"]
+    assert main(args + ["--repeats", "3", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["repeats"] == 3
+    for name, m in report["methods"].items():  # the same greedy decodings, three times each
+        assert m["new_tokens"] == 3 * once[name]["new_tokens"]
+        assert m["matches_ar"] is True and m["prompts_matching_ar"] == 2
+
+
 def test_speedup_interval_resamples_prompts_in_pairs():
     from treeflash.eval.bench import Totals, speedup_interval
     ar = Totals(per_prompt=[(100, 1.0), (10, 0.5), (50, 2.0), (80, 1.0)])  # prompts of unlike lengths and speeds

@@ -205,7 +205,8 @@ def build_parser() -> Parser:
                            help="decode the prompts N at a time (continuous batching) and report total tokens/s "
                            "against batched ar and against batch size 1; a list such as 1,2,4,8 runs each")
             b.add_argument("--repeats", type=_positive_int, default=1,
-                           help="with --batch-size: runs of the whole set per variant, interleaved (1)")
+                           help="runs of the whole set per variant, interleaved, each prompt's runs pooled in the "
+                           "speedup's interval; at T > 0 each run draws new samples (1)")
         _add_decoding_args(b, sweep=True, weavers=name == "paired", paired=name == "paired")
     o = sub.add_parser("overhead", help="engine cost on top of bare target forwards (AR round, 17-node tree)")
     o.add_argument("--context", type=_positive_int, default=200, help="cache length (200)")

@@ -188,16 +188,19 @@ def cmd_bench(args) -> None:
     methods = run_bench(target, prompts, args.methods, args.budget, sampling, args.max_new_tokens, args.seed,
                         progress=not args.no_progress, drafter_path=args.drafter, weaver_path=args.weaver,
                         tfm_widths=args.tfm_width, max_budget=args.max_budget, draft_vocab_size=args.draft_vocab,
-                        datastore_path=args.datastore)
+                        datastore_path=args.datastore, repeats=args.repeats)
     dtype = str(target.dtype).removeprefix("torch.")
-    report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "budgets": args.budget,
+    report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "repeats": args.repeats,
+              "budgets": args.budget,
               "max_budget": args.max_budget, "tfm_widths": args.tfm_width, "draft_vocab": args.draft_vocab,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "dtype": dtype, "runtime": target.runtime,
               "compiled": target.compiled,
               "weights": _weights(target), "threads": torch.get_num_threads(), "max_rss_mib": _max_rss_mib(),
               "seconds": time.time() - started, "methods": methods}
-    print(f"{args.dataset}: {len(prompts)} prompts, budget {','.join(map(str, args.budget))} (max {args.max_budget}), "
+    runs = f" x {args.repeats} runs" if args.repeats > 1 else ""
+    print(f"{args.dataset}: {len(prompts)} prompts{runs}, budget {','.join(map(str, args.budget))} "
+          f"(max {args.max_budget}), "
           f"T = {args.temperature}, {args.max_new_tokens} new tokens, target {args.target} ({dtype}, "
           f"{target.runtime} runtime{', compiled' if target.compiled else ''}, {torch.get_num_threads()} threads; "
           f"weights: {target.weights})")
