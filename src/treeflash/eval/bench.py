@@ -9,6 +9,7 @@ variant decodes every prompt in the same run, so their ratios share the same mac
 
 from __future__ import annotations
 
+import itertools
 import random
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -145,7 +146,7 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
 
     totals = {v: Totals() for v in runs}
     bar = tqdm(total=repeats * len(encoded) * len(runs), desc="bench", unit="run", disable=not progress, leave=False)
-    for run, (i, prompt) in ((run, p) for run in range(repeats) for p in enumerate(encoded)):
+    for run, (i, prompt) in itertools.product(range(repeats), enumerate(encoded)):
         for v in runs:  # interleaved, so that machine noise hits every variant alike
             t = totals[v]
             tokens, seconds, forwards, rounds = decode(v, prompt, max_new_tokens, seed + i + run * len(encoded))

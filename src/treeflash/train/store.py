@@ -220,8 +220,7 @@ def load_answers(paths: str | Path, encode: Callable[[str], list[int]], data_dir
     from .data import training_prompts
 
     answers = select_sources([a for store in stores(paths) for a in store.answers()], sources)
-    sources = sorted({a.id.split("/")[0] for a in answers})
-    texts = dict(training_prompts(data_dir, sources))
+    texts = dict(training_prompts(data_dir, sorted({a.id.split("/")[0] for a in answers})))
     encoded: dict[str, list[int]] = {}
     rows, missing, changed = [], [], []
     for a in answers:
