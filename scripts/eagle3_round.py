@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--dataset", default="chat-dev")
     p.add_argument("--budgets", default="2,4,16")
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--top-k", type=int, default=None, help="children per node and frontier width (the method's: 8)")
     p.add_argument("--out")
     args = p.parse_args()
     target = Target.load(dtype="auto", compile="auto")
@@ -34,6 +35,7 @@ def main() -> None:
         if four_bit and not target.int4_products:
             continue
         drafter = load_eagle3_drafter(target, args.drafter, int4_products=four_bit)
+        drafter.top_k = args.top_k or drafter.top_k
         taps = target.prefill(prompt, taps=drafter.taps).hidden
         with torch.no_grad():
             for budget in map(int, args.budgets.split(",")):
@@ -51,7 +53,8 @@ def main() -> None:
                       f"{ms[f'{products}@{budget}']:.2f} ms a round", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"context": len(prompt), "ms_per_round": ms, "repeats": args.repeats}, f, indent=1)
+            json.dump({"context": len(prompt), "top_k": drafter.top_k, "ms_per_round": ms, "repeats": args.repeats},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
