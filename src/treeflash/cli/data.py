@@ -88,7 +88,7 @@ def cmd_datastore(args) -> None:
     vocab_size = Target.load(args.target, dtype="bfloat16").config.vocab_size
     datastore = Datastore.from_sequences([a.response_ids for a in answers], vocab_size)
     info = {"target": args.target, "data": args.data, "temperature": args.temperature,
-            "answers_by_source": dict(Counter(a.id.split("/")[0] for a in answers)), "commit": source_commit(),
+            "answers_by_source": dict(Counter(a.source for a in answers)), "commit": source_commit(),
             "command": shlex.join(args.command_line)}
     datastore.save(args.out, info)
     print(json.dumps({"datastore": args.out, "sequences": len(answers), "tokens": len(datastore),

@@ -146,16 +146,16 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
 
     totals = {v: Totals() for v in runs}
     bar = tqdm(total=repeats * len(encoded) * len(runs), desc="bench", unit="run", disable=not progress, leave=False)
-    for run, (i, prompt) in itertools.product(range(repeats), enumerate(encoded)):
+    for repeat, (i, prompt) in itertools.product(range(repeats), enumerate(encoded)):
         for v in runs:  # interleaved, so that machine noise hits every variant alike
             t = totals[v]
-            tokens, seconds, forwards, rounds = decode(v, prompt, max_new_tokens, seed + i + run * len(encoded))
+            tokens, seconds, forwards, rounds = decode(v, prompt, max_new_tokens, seed + i + repeat * len(encoded))
             t.forward_s += sum(x.forward_s for x in rounds)
             t.adapter_calls += sum(x.adapter_calls for x in rounds)
             t.new_tokens += len(tokens)
             t.seconds += seconds
             t.outputs.append(tokens)
-            if run == 0:
+            if repeat == 0:
                 t.per_prompt.append((len(tokens), seconds))
             else:  # the prompt's repeats, pooled
                 t.per_prompt[i] = (t.per_prompt[i][0] + len(tokens), t.per_prompt[i][1] + seconds)

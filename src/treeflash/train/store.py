@@ -52,6 +52,10 @@ class Answer:
     temperature: float
     prompt_crc: int
 
+    @property
+    def source(self) -> str:
+        return self.id.split("/")[0]
+
 
 class AnswerStore:
     def __init__(self, folder: str | Path):
@@ -198,15 +202,14 @@ def select_sources(answers: list[Answer], spec: str | None) -> list[Answer]:
         if cap and not (cap.isdigit() and int(cap) > 0):
             raise DatasetError(f"--sources {item!r}: a cap is a positive count, as in {name}:300")
         caps[name] = int(cap) if cap else None
-    held = {a.id.split("/")[0] for a in answers}
+    held = {a.source for a in answers}
     if unknown := sorted(set(caps) - held):
         raise DatasetError(f"--sources: the stores hold no answers of {', '.join(unknown)} "
                            f"(they hold {', '.join(sorted(held))})")
     kept, seen = [], dict.fromkeys(caps, 0)
     for a in answers:
-        source = a.id.split("/")[0]
-        if source in caps and (caps[source] is None or seen[source] < caps[source]):
-            seen[source] += 1
+        if a.source in caps and (caps[a.source] is None or seen[a.source] < caps[a.source]):
+            seen[a.source] += 1
             kept.append(a)
     return kept
 
@@ -220,7 +223,7 @@ def load_answers(paths: str | Path, encode: Callable[[str], list[int]], data_dir
     from .data import training_prompts
 
     answers = select_sources([a for store in stores(paths) for a in store.answers()], sources)
-    texts = dict(training_prompts(data_dir, sorted({a.id.split("/")[0] for a in answers})))
+    texts = dict(training_prompts(data_dir, sorted({a.source for a in answers})))
     encoded: dict[str, list[int]] = {}
     rows, missing, changed = [], [], []
     for a in answers:
