@@ -135,6 +135,22 @@ def test_llamacpp_baselines_decode_the_embedded_gguf_in_their_own_process():
         assert engine(prompt, 16, Sampling(), seed=0)[0] == tokens  # greedy: the same answer again
 
 
+def test_a_llamacpp_worker_killed_by_an_illegal_instruction_says_to_rebuild():
+    """A wheel pip cached on another machine targets that machine's CPU: the worker dies of SIGILL at its first
+    product, and the error says what to do."""
+    import signal
+    import subprocess
+    import sys
+
+    from treeflash.eval.baselines import BaselineUnavailable, LlamaCpp
+
+    engine = LlamaCpp.__new__(LlamaCpp)
+    engine.worker = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"],
+                                     stdout=subprocess.PIPE, text=True)
+    with pytest.raises(BaselineUnavailable, match=f"exit code -{int(signal.SIGILL)}.*--no-cache-dir"):
+        engine._read()
+
+
 def test_bench_at_temperature_has_no_exactness(tiny_folder, tmp_path):
     data = tmp_path / "mt.jsonl"
     data.write_text(json.dumps({"turns": ["Say hi.", "And bye."]}) + "\n" + json.dumps({"turns": ["Count."]}) + "\n")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 import weakref
@@ -103,7 +104,12 @@ class LlamaCpp:
     def _read(self) -> str:
         line = self.worker.stdout.readline()
         if not line:
-            raise BaselineUnavailable(f"the llama.cpp worker stopped (exit code {self.worker.wait()})")
+            code = self.worker.wait()
+            # pip reuses a wheel it built on another machine, where the build targets the CPU it runs on
+            hint = (": an illegal instruction, so llama-cpp-python was built for another CPU; rebuild it here with "
+                    "pip install --no-cache-dir --force-reinstall llama-cpp-python==0.3.36"
+                    if code == -signal.SIGILL else "")
+            raise BaselineUnavailable(f"the llama.cpp worker stopped (exit code {code}){hint}")
         return line
 
     def __call__(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, seed: int):
