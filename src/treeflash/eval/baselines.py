@@ -105,10 +105,12 @@ class LlamaCpp:
         line = self.worker.stdout.readline()
         if not line:
             code = self.worker.wait()
-            # pip reuses a wheel it built on another machine, where the build targets the CPU it runs on
-            hint = (": an illegal instruction, so llama-cpp-python was built for another CPU; rebuild it here with "
-                    "pip install --no-cache-dir --force-reinstall llama-cpp-python==0.3.36"
-                    if code == -signal.SIGILL else "")
+            # a build targets the CPU it was built on (pip may reuse a wheel cached on another machine), and
+            # llama.cpp's AMX kernels fault where a hypervisor leaves AMX off (docs/results/int4-drafter)
+            hint = (": an illegal instruction, so llama-cpp-python was built for another CPU or uses instructions "
+                    "this machine does not enable (AMX in some VMs); rebuild it here with pip install --no-cache-dir "
+                    "--force-reinstall llama-cpp-python==0.3.36, with CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=ON' "
+                    "to leave AMX out" if code == -signal.SIGILL else "")
             raise BaselineUnavailable(f"the llama.cpp worker stopped (exit code {code}){hint}")
         return line
 
