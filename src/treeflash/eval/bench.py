@@ -144,7 +144,7 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
     for v in runs:  # warm-up: first calls pay for allocations, lazy initialisation and the cost measurement
         decode(v, encoded[0], 8, seed)
 
-    totals = {v: Totals() for v in runs}
+    totals = {v: Totals(per_prompt=[(0, 0.0)] * len(encoded)) for v in runs}  # a prompt's repeats add up
     bar = tqdm(total=repeats * len(encoded) * len(runs), desc="bench", unit="run", disable=not progress, leave=False)
     for repeat, (i, prompt) in itertools.product(range(repeats), enumerate(encoded)):
         for v in runs:  # interleaved, so that machine noise hits every variant alike
@@ -155,10 +155,8 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             t.new_tokens += len(tokens)
             t.seconds += seconds
             t.outputs.append(tokens)
-            if repeat == 0:
-                t.per_prompt.append((len(tokens), seconds))
-            else:  # the prompt's repeats, pooled
-                t.per_prompt[i] = (t.per_prompt[i][0] + len(tokens), t.per_prompt[i][1] + seconds)
+            n, s = t.per_prompt[i]
+            t.per_prompt[i] = (n + len(tokens), s + seconds)
             t.rounds += forwards
             t.round_tokens += len(tokens) - 1  # every token but the prefill's came from a decode round
             t.round_expected += sum(x.expected for x in rounds) if rounds else len(tokens) - 1
