@@ -4,8 +4,11 @@ takes, the same tokens for every method, few graphs, and a clear refusal where i
 for the drafter's compiled block forward and catch-up (`models/compiled_block.py`) against `DFlashDrafter.hidden`,
 `fuse` and `context_kv`."""
 
+import os
 import random
 import shutil
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from treeflash.drafters import block_drafter, make_drafter
 from treeflash.drafters.load import compiled_like
 from treeflash.models.dflash import ContextCache
 from treeflash.runtime.static_decoder import COMPILED_ROWS
-from treeflash.runtime import TargetError, int4
+from treeflash.runtime import TargetError, aoti, int4
 from treeflash.tree import random_tree
 
 from conftest import OracleTreeDrafter, tiny_target
@@ -111,6 +114,31 @@ def test_a_second_start_loads_the_layer_without_building_it(compiled, monkeypatc
     with again.eager():
         ar = generate(again, make_drafter("ar"), prompt, max_new_tokens=30).tokens
     assert generate(again, make_drafter("ar"), prompt, max_new_tokens=30).tokens == ar
+
+
+def test_building_a_package_deletes_those_of_its_name_unused_for_a_month(tmp_path, monkeypatch):
+    """Each upgrade keys new packages (the key holds the module's source): the old ones go once unused for
+    STALE_DAYS, and loading one marks it used. The build and the loader are stand-ins: this is about the files."""
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda program, package_path: open(
+        package_path, "wb").close())
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: SimpleNamespace(
+        loader=SimpleNamespace(run=lambda args: args)))
+    folder, month = tmp_path / "aoti", (aoti.STALE_DAYS + 1) * 86400
+    folder.mkdir()
+    for name in ("layer-old.pt2", "layer-recent.pt2", "drafter-block-old.pt2"):
+        (folder / name).touch()
+    for name in ("layer-old.pt2", "drafter-block-old.pt2"):
+        os.utime(folder / name, (time.time() - month,) * 2)
+    run = aoti.package("layer", ("a key",), export=lambda: None)
+    assert run(1, 2) == [1, 2]
+    built = set(folder.glob("layer-*.pt2")) - {folder / "layer-recent.pt2"}
+    assert len(built) == 1 and not (folder / "layer-old.pt2").exists()
+    assert (folder / "layer-recent.pt2").exists() and (folder / "drafter-block-old.pt2").exists()  # other names stay
+    built = built.pop()
+    os.utime(built, (time.time() - month,) * 2)
+    aoti.package("layer", ("a key",), export=lambda: None)  # loaded, not built: marked used, nothing deleted
+    assert built.stat().st_mtime > time.time() - 60 and (folder / "drafter-block-old.pt2").exists()
 
 
 def test_targets_without_a_compiled_form_stay_eager_or_are_refused():

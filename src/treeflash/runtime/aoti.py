@@ -4,7 +4,9 @@ A package's runner costs almost nothing above its kernels, where a `torch.compil
 AOTAutograd's wrappers (~25 us a call, 0.1-0.2 ms with a drafter's 40 weight tensors and the caches cold after a
 target step). So the forwards called every step or round run as packages: the target's decoder layer
 (`compiled_layer.py`) and the DFlash drafter's block and catch-up (`models/compiled_block.py`). The first start
-builds them (seconds each), later starts load them in milliseconds.
+builds them (seconds each), later starts load them in milliseconds. A package's key holds the source of the module
+that builds it, so an upgrade builds new ones: a package unused for `STALE_DAYS` is deleted when one of its name is
+built.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import time
 import warnings
 from typing import Callable
 
@@ -21,6 +24,8 @@ import torch
 from .loading import cache_dir
 
 log = logging.getLogger(__name__)
+
+STALE_DAYS = 30  # a package unused this long is deleted when another of its name is built
 
 
 def package(name: str, key: tuple, export: Callable[[], torch.export.ExportedProgram],
@@ -46,9 +51,34 @@ def package(name: str, key: tuple, export: Callable[[], torch.export.ExportedPro
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+            prune(path.parent, name)
+        _touch(path)  # its modification time says when it was last used
         # the runner itself: the package's __call__ re-reads its input spec on every call (~15 us)
         run = torch._inductor.aoti_load_package(str(path)).loader.run
     return lambda *args: run(list(args))
+
+
+def prune(folder, name: str, days: float = STALE_DAYS) -> list[str]:
+    """Delete the packages `name-*.pt2` in `folder` unused for `days` (those of older treeflash or torch versions,
+    other thread counts, models no longer run); returns the names deleted."""
+    deleted, before = [], time.time() - days * 86400
+    for old in folder.glob(f"{name}-*.pt2"):
+        try:
+            if old.stat().st_mtime < before:
+                old.unlink()
+                deleted.append(old.name)
+        except OSError:  # another process deleted it, or a read-only cache
+            pass
+    if deleted:
+        log.info("deleted %d %s package(s) unused for %g days from %s", len(deleted), name, days, folder)
+    return deleted
+
+
+def _touch(path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache: packages are then never pruned
+        pass
 
 
 def shapes(tensors: tuple[torch.Tensor, ...]) -> list[tuple]:
