@@ -17,6 +17,7 @@ The kernel is not in torchao's PyPI wheels: build torchao from source with `USE_
 """
 
 import argparse
+import importlib
 import json
 import statistics
 import time
@@ -85,7 +86,7 @@ def main() -> None:
         define_ops()
         torch.ops.load_library(args.load_library)
     else:
-        import torchao.ops  # noqa: F401 (its schemas; the kernels come with a USE_CPU_KERNELS=1 build)
+        importlib.import_module("torchao.ops")  # its schemas; the kernels come with a USE_CPU_KERNELS=1 build
     if "CPU" not in torch._C._dispatch_dump("torchao::da8w4_linear_cpu"):
         raise SystemExit("torchao's da8w4 CPU kernel is not built here: see this script's help")
 
