@@ -5,9 +5,10 @@ Per row count, all 30 layers' products (fused q|k|v, o, gate|up, down) one after
 own (so that they stream from memory as in a forward): PyTorch's int4 kernel (bf16 activations, what the runtime
 runs below 6 rows) and `da8w4`: the kernel alone on activations quantised beforehand, and with what a Q4_1 block
 needs around it (per-row symmetric int8 quantisation of the activations, and the blocks' minimum times each
-group's sum), eager. The dense bf16 products the runtime runs from 6 rows are `scripts/forward_costs.py`'s. Q4_1 (q * d + m) maps onto `da8w4`'s
-integer zero points only through that extra term: the kernel runs with zero points 0 and scales d. Weights are
-random 4-bit blocks of the model's shapes (speed does not depend on their values); the LM head (Q8_0) is left out.
+group's sum), eager. The dense bf16 products the runtime runs from 6 rows are `scripts/forward_costs.py`'s.
+Q4_1 (q * d + m) maps onto `da8w4`'s integer zero points only through that extra term: the kernel runs with zero
+points 0 and scales d. Weights are random 4-bit blocks of the model's shapes (speed does not depend on their
+values); the LM head (Q8_0) is left out.
 Also the relative error of each whole product against the fp32 product of the dequantised weights.
 
 The kernel is not in torchao's PyPI wheels: build torchao from source with `USE_CPU_KERNELS=1`, or compile its
@@ -19,10 +20,11 @@ The kernel is not in torchao's PyPI wheels: build torchao from source with `USE_
 import argparse
 import importlib
 import json
-import statistics
-import time
 
 import torch
+from forward_costs import timed  # scripts/ is on the path when a script runs
+
+from treeflash.runtime.int4 import Int4Weight, dequantise
 
 ROWS = (1, 2, 4, 8, 17)
 LAYERS = 30
@@ -47,11 +49,9 @@ def q4_1_weight(n: int, k: int, gen: torch.Generator) -> dict:
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     d = torch.rand(n, g, generator=gen) * 0.01 + 0.001
     m = -8 * d + torch.randn(n, g, generator=gen) * 0.001
-    dense = (q.float().view(n, g, GROUP) * d[..., None] + m[..., None]).view(n, k)
-    int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    scale_zeros = torch.stack([d.T, (m + 8 * d).T], -1).to(torch.bfloat16).contiguous()  # (q - 8) * d + zero
+    zero = m + 8 * d  # the runtime's form: (q - 8) * d + zero
     da8w4 = torch.ops.torchao.da8w4_linear_prepack_cpu(q, d, torch.zeros(n, g, dtype=torch.int8))
-    return dict(dense=dense, int4=int4, scale_zeros=scale_zeros, da8w4=da8w4,
+    return dict(dense=dequantise(q, d, zero), int4=Int4Weight.from_ints(q, d, zero, torch.bfloat16), da8w4=da8w4,
                 minimum=m.T.contiguous())  # fp32: a bf16 product this thin is 4x slower
 
 
@@ -62,13 +62,13 @@ def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def products(x: torch.Tensor, w: dict) -> dict:
-    """The four ways of one product x [M, K] @ w.T, as callables."""
+    """The three ways of one product x [M, K] @ w.T, as callables."""
     xq = quantise_rows(x)  # for the kernel alone
 
     def q4_1():
         y = torch.ops.torchao.da8w4_linear_cpu(*quantise_rows(x), *w["da8w4"], None, torch.bfloat16)
         return y + (x.view(x.shape[0], -1, GROUP).sum(-1).float() @ w["minimum"]).to(y.dtype)
-    return {"int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w["int4"], GROUP, w["scale_zeros"]),
+    return {"int4": lambda: w["int4"].matmul(x),
             "da8w4 kernel": lambda: torch.ops.torchao.da8w4_linear_cpu(*xq, *w["da8w4"], None, torch.bfloat16),
             "da8w4 + quantise + Q4_1 term": q4_1}
 
@@ -106,25 +106,18 @@ def main() -> None:
                         errors.setdefault(kind, []).append(((call().float() - ref).norm() / ref.norm()).item())
             row = {}
             for kind in calls[0]:
-                def forward():
-                    for c in calls:
-                        c[kind]()
-                forward(), forward()
-                times = []
-                for _ in range(args.repeats):
-                    t = time.perf_counter()
-                    forward()
-                    times.append((time.perf_counter() - t) * 1e3)
-                row[kind] = {"ms": statistics.median(times), "relative_error": statistics.mean(errors.get(kind, [0]))}
+                error = errors.get(kind)
+                row[kind] = {"ms": timed(lambda: [c[kind]() for c in calls], args.repeats),
+                             "relative_error": sum(error) / len(error) if error else None}
             table[rows] = row
     kinds = list(table[ROWS[0]])
     print(f"ms for the {LAYERS} layers' products (median of {args.repeats}); relative error against fp32")
     print("| rows | " + " | ".join(kinds) + " |")
     print("|---" * (len(kinds) + 1) + "|")
     for rows, row in table.items():
-        print(f"| {rows} | " + " | ".join(f"{row[k]['ms']:.2f}" + (f" ({row[k]['relative_error']:.4f})" if row[k]["relative_error"] else "")
-                                       for k in kinds)
-              + " |")
+        cells = [f"{row[k]['ms']:.2f}" + ("" if row[k]["relative_error"] is None
+                                          else f" ({row[k]['relative_error']:.4f})") for k in kinds]
+        print(f"| {rows} | " + " | ".join(cells) + " |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "layers": LAYERS, "shapes": SHAPES,
