@@ -126,19 +126,21 @@ def test_building_a_package_deletes_those_of_its_name_unused_for_a_month(tmp_pat
         loader=SimpleNamespace(run=lambda args: args)))
     folder, month = tmp_path / "aoti", (aoti.STALE_DAYS + 1) * 86400
     folder.mkdir()
-    for name in ("layer-old.pt2", "layer-recent.pt2", "drafter-block-old.pt2"):
-        (folder / name).touch()
-    for name in ("layer-old.pt2", "drafter-block-old.pt2"):
-        os.utime(folder / name, (time.time() - month,) * 2)
+    old, recent, other = (folder / f"{name}-{digit * aoti.DIGEST}.pt2" for name, digit in (
+        ("layer", "0"), ("layer", "1"), ("drafter-block", "0")))
+    for path in (old, recent, other):
+        path.touch()
+    for path in (old, other):
+        os.utime(path, (time.time() - month,) * 2)
     run = aoti.package("layer", ("a key",), export=lambda: None)
     assert run(1, 2) == [1, 2]
-    built = set(folder.glob("layer-*.pt2")) - {folder / "layer-recent.pt2"}
-    assert len(built) == 1 and not (folder / "layer-old.pt2").exists()
-    assert (folder / "layer-recent.pt2").exists() and (folder / "drafter-block-old.pt2").exists()  # other names stay
+    built = set(folder.glob("layer-*.pt2")) - {recent}
+    assert len(built) == 1 and not old.exists()
+    assert recent.exists() and other.exists()  # other names stay
     built = built.pop()
     os.utime(built, (time.time() - month,) * 2)
     aoti.package("layer", ("a key",), export=lambda: None)  # loaded, not built: marked used, nothing deleted
-    assert built.stat().st_mtime > time.time() - 60 and (folder / "drafter-block-old.pt2").exists()
+    assert built.stat().st_mtime > time.time() - 60 and other.exists()
 
 
 def test_targets_without_a_compiled_form_stay_eager_or_are_refused():

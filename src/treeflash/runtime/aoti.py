@@ -26,6 +26,7 @@ from .loading import cache_dir
 log = logging.getLogger(__name__)
 
 STALE_DAYS = 30  # a package unused this long is deleted when another of its name is built
+DIGEST = 16  # hex digits of the key's sha256 in a package's file name, `name-digest.pt2`
 
 
 def package(name: str, key: tuple, export: Callable[[], torch.export.ExportedProgram],
@@ -35,7 +36,7 @@ def package(name: str, key: tuple, export: Callable[[], torch.export.ExportedPro
     the built code depends on besides: the torch version, the CPU's vector ISA and the thread count (inductor
     splits loops for that many). Called as run(*tensors) -> the graph's outputs."""
     key = (torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()) + key
-    path = cache_dir() / "aoti" / f"{name}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}.pt2"
+    path = cache_dir() / "aoti" / f"{name}-{hashlib.sha256(repr(key).encode()).hexdigest()[:DIGEST]}.pt2"
     with warnings.catch_warnings():  # torch's own deprecations inside export and the package loader
         warnings.simplefilter("ignore", FutureWarning)
         if not path.exists():
@@ -59,10 +60,11 @@ def package(name: str, key: tuple, export: Callable[[], torch.export.ExportedPro
 
 
 def prune(folder, name: str, days: float = STALE_DAYS) -> list[str]:
-    """Delete the packages `name-*.pt2` in `folder` unused for `days` (those of older treeflash or torch versions,
-    other thread counts, models no longer run); returns the names deleted."""
+    """Delete the packages `name-digest.pt2` in `folder` unused for `days` (those of older treeflash or torch
+    versions, other thread counts, models no longer run); returns the names deleted. The digest is matched exactly,
+    so that no other name's packages match (`drafter` would otherwise take `drafter-block`'s)."""
     deleted, before = [], time.time() - days * 86400
-    for old in folder.glob(f"{name}-*.pt2"):
+    for old in folder.glob(f"{name}-{'[0-9a-f]' * DIGEST}.pt2"):
         try:
             if old.stat().st_mtime < before:
                 old.unlink()
