@@ -1,8 +1,9 @@
 """The table of scripts/eagle3_table.sh: tau (T = 0) or E[tau] (T = 1) per domain and budget of the EAGLE-3 drafter
 beside the shipped drafters' methods, from OUT_DIR/eagle3-D-T{t}.json and OUT_DIR/shipped-METHOD-D-T{t}.json, one
-method per file, each on its own rounds (markdown on stdout).
+method per file, each on its own rounds (markdown on stdout). With EQUAL_DIR (scripts/eagle3_equal_compute.sh), also
+the DFlash drafter trained for EAGLE-3's CPU seconds: EQUAL_DIR/equal-METHOD-D-T{t}.json.
 
-    python scripts/eagle3_table.py [OUT_DIR]      # docs/results/eagle3/eval
+    python scripts/eagle3_table.py [OUT_DIR [EQUAL_DIR]]      # docs/results/eagle3/eval
 """
 
 from __future__ import annotations
@@ -13,28 +14,44 @@ from pathlib import Path
 
 DOMAINS = ("chat-dev", "gsm8k", "humaneval", "mbpp")
 METHODS = ("dflash", "ddtree", "treeflash", "tfm", "eagle3")
+EQUAL = ("dflash", "ddtree")  # the equal-compute arm's methods
 
 
-def main(out: Path) -> None:
+def read(path: Path, budget: int, prefix: str = "") -> dict[str, float]:
+    """E[tau] per method at one budget of a paired report (one budget per name: 'ddtree@16'); {} if absent."""
+    taus = {}
+    if path.is_file():
+        for name, m in json.loads(path.read_text())["methods"].items():
+            method, _, b = name.partition("@")
+            if b == str(budget):
+                taus[prefix + method] = m["expected_tau"]
+    return taus
+
+
+def main(out: Path, equal: Path | None = None) -> None:
+    columns = list(METHODS) + ([f"equal {m}" for m in EQUAL] if equal else [])
     for t in (0, 1):
         for budget in (16, 64):
             print(f"\nT = {t} ({'tau' if t == 0 else 'E[tau]'}), B = {budget}\n")
-            print("| domain | " + " | ".join(METHODS) + " | eagle3 / best other |")
-            print("|---|" + "---|" * (len(METHODS) + 1))
+            ratios = ["eagle3 / best shipped"] + (["eagle3 / equal ddtree"] if equal else [])
+            print("| domain | " + " | ".join(columns + ratios) + " |")
+            print("|---|" + "---|" * (len(columns) + len(ratios)))
             for domain in DOMAINS:
-                taus = {}
-                for arm in [f"shipped-{m}" for m in METHODS[:-1]] + ["eagle3"]:
-                    path = out / f"{arm}-{domain}-T{t}.json"
-                    if path.is_file():
-                        for name, m in json.loads(path.read_text())["methods"].items():
-                            method, _, b = name.partition("@")  # one budget per name: 'ddtree@16'
-                            if b == str(budget):
-                                taus[method] = m["expected_tau"]
-                cells = [f"{taus[m]:.3f}" if m in taus else "-" for m in METHODS]
-                others = [v for m, v in taus.items() if m != "eagle3"]
-                ratio = f"{taus['eagle3'] / max(others):.3f}x" if "eagle3" in taus and others else "-"
-                print(f"| {domain} | " + " | ".join(cells) + f" | {ratio} |")
+                taus = read(out / f"eagle3-{domain}-T{t}.json", budget)
+                for m in METHODS[:-1]:
+                    taus |= read(out / f"shipped-{m}-{domain}-T{t}.json", budget)
+                for m in EQUAL if equal else ():
+                    taus |= read(equal / f"equal-{m}-{domain}-T{t}.json", budget, "equal ")
+                cells = [f"{taus[c]:.3f}" if c in taus else "-" for c in columns]
+                shipped = [taus[m] for m in METHODS[:-1] if m in taus]
+                e3 = taus.get("eagle3")
+                cells.append(f"{e3 / max(shipped):.3f}x" if e3 and shipped else "-")
+                if equal:
+                    eq = taus.get("equal ddtree")
+                    cells.append(f"{e3 / eq:.3f}x" if e3 and eq else "-")
+                print(f"| {domain} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/eagle3/eval"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/eagle3/eval"),
+         Path(sys.argv[2]) if len(sys.argv) > 2 else None)

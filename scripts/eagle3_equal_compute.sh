@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 34's equal-compute arm: a DFlash drafter trained from scratch for the CPU seconds the EAGLE-3 drafter of
+# data/stages had (1,200 steps, `docs/results/eagle3/train_args.json`), on the same answers, learning rate (6e-4),
+# seed and schedule shape, then tau beside it with `paired` like scripts/eagle3_table.sh.
+#
+# Seconds are this machine's: both kinds first train K steps alone on the same batches (same seed, two threads), and
+# the DFlash run gets round(1200 x eagle3 s/step / dflash s/step) steps. The timing goes into RUN_DIR/timing.json.
+# Nothing else may run meanwhile (the timings decide the step count). A rerun skips what exists.
+#
+#   bash scripts/eagle3_equal_compute.sh [RUN_DIR] [K]         # defaults: runs/eq34 20
+#   python scripts/eagle3_table.py docs/results/eagle3/eval RUN_DIR/eval
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export TF=.venv/bin/treeflash
+run=${1:-runs/eq34}
+k=${2:-20}
+common=(--batch-size 4 --max-len 512 --lr 6e-4 --seed 0 --threads 2)
+mkdir -p "$run/eval"
+bash ../shared/tools/machine-facts.sh > "$run/machine.txt" 2>/dev/null || true
+
+for kind in eagle3 dflash; do  # K steps of each, alone, on the same batches
+    [ -f "$run/time-$kind/log.jsonl" ] || $TF train $kind --out "$run/time-$kind" --steps "$k" --save-every 100000 \
+        --log-every 5 --no-resume "${common[@]}" > "$run/time-$kind.log" 2>&1
+done
+steps=$(python - "$run" <<'EOF'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+def per_step(kind):  # seconds a step after the first log line (start-up and the first steps excluded)
+    rows = [json.loads(line) for line in (run / f"time-{kind}" / "log.jsonl").open()]
+    return (rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]) / (rows[-1]["step"] - rows[0]["step"])
+eagle3, dflash = per_step("eagle3"), per_step("dflash")
+steps = round(1200 * eagle3 / dflash)
+(run / "timing.json").write_text(json.dumps({"eagle3_s_per_step": eagle3, "dflash_s_per_step": dflash,
+                                             "eagle3_steps": 1200, "eagle3_seconds": 1200 * eagle3,
+                                             "dflash_steps": steps}, indent=2) + "\n")
+print(steps)
+EOF
+)
+echo "== DFlash from scratch: $steps steps ($run/timing.json)"
+[ -f "$run/dflash/drafter/model.safetensors" ] && [ -f "$run/dflash/done" ] || {
+    $TF train dflash --out "$run/dflash" --steps "$steps" --save-every 25 --log-every 10 "${common[@]}" \
+        >> "$run/dflash.log" 2>&1 && touch "$run/dflash/done"; }
+
+paired() {  # paired OUT ARGS...: one thread (two run side by side; tau does not depend on the clock)
+    local file=$1; shift
+    [ -f "$file" ] || OMP_NUM_THREADS=1 $TF paired --limit 10 --max-new-tokens 128 --budget 16,64 --no-progress "$@" \
+        --out "$file.tmp" > "$file.log" 2>&1
+    [ -f "$file" ] || mv "$file.tmp" "$file"
+}
+export -f paired
+echo "== tau per domain and temperature, two at a time, each method on its own rounds"
+for t in 0 1; do
+    for dataset in chat-dev gsm8k humaneval mbpp; do
+        for method in dflash ddtree; do
+            echo "$run/eval/equal-$method-$dataset-T$t.json --dataset $dataset --temperature $t --methods $method \
+                --drafter $run/dflash/drafter"
+        done
+    done
+done | xargs -P 2 -L 1 bash -c 'paired "$@"' _
+echo "== done: $run/eval"
