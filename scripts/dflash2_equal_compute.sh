@@ -29,14 +29,6 @@ OMP_NUM_THREADS=1 $TF train dflash2 --backbone "$shipped" --out "$run/dflash2" -
     > "$run/dflash2.log" 2>&1 &
 wait -n && wait -n  # both must succeed
 
-paired() {  # paired OUT ARGS...: one thread (two run side by side; tau does not depend on the clock)
-    local out=$1; shift
-    [ -f "$out" ] || OMP_NUM_THREADS=1 $TF paired --limit 10 --max-new-tokens 128 --budget 16 --no-progress "$@" \
-        --out "$out.tmp" > "$out.log" 2>&1
-    [ -f "$out" ] || mv "$out.tmp" "$out"
-}
-export -f paired
-export TF
 echo "== tau per domain and temperature, two at a time"
 for t in 0 1; do
     for dataset in chat-dev gsm8k humaneval mbpp; do
@@ -45,5 +37,5 @@ for t in 0 1; do
         echo "$run/eval/dflash-$dataset-T$t.json $args --methods dflash,ddtree --drafter $run/dflash/drafter"
         echo "$run/eval/shipped-$dataset-T$t.json $args --methods dflash,ddtree,treeflash,tfm"
     done
-done | xargs -P 2 -L 1 bash -c 'paired "$@"' _
+done | bash scripts/paired_jobs.sh 2 16
 echo "== done: $run/eval"

@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-export TF=.venv/bin/treeflash
+TF=.venv/bin/treeflash
 run=${1:-runs/eq34}
 k=${2:-20}
 common=(--batch-size 4 --max-len 512 --lr 6e-4 --seed 0 --threads 2)
@@ -43,17 +43,10 @@ print(steps)
 EOF
 )
 echo "== DFlash from scratch: $steps steps ($run/timing.json)"
-[ -f "$run/dflash/drafter/model.safetensors" ] && [ -f "$run/dflash/done" ] || {
+[ -f "$run/dflash/done" ] || {
     $TF train dflash --out "$run/dflash" --steps "$steps" --save-every 25 --log-every 10 "${common[@]}" \
         >> "$run/dflash.log" 2>&1 && touch "$run/dflash/done"; }
 
-paired() {  # paired OUT ARGS...: one thread (two run side by side; tau does not depend on the clock)
-    local file=$1; shift
-    [ -f "$file" ] || OMP_NUM_THREADS=1 $TF paired --limit 10 --max-new-tokens 128 --budget 16,64 --no-progress "$@" \
-        --out "$file.tmp" > "$file.log" 2>&1
-    [ -f "$file" ] || mv "$file.tmp" "$file"
-}
-export -f paired
 echo "== tau per domain and temperature, two at a time, each method on its own rounds"
 for t in 0 1; do
     for dataset in chat-dev gsm8k humaneval mbpp; do
@@ -62,5 +55,5 @@ for t in 0 1; do
                 --drafter $run/dflash/drafter"
         done
     done
-done | xargs -P 2 -L 1 bash -c 'paired "$@"' _
+done | bash scripts/paired_jobs.sh 2 16,64
 echo "== done: $run/eval"

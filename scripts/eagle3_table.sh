@@ -11,20 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-export TF=.venv/bin/treeflash
 drafter=${1:-data/stages/smollm2-135m-instruct-eagle3}
 out=${2:-docs/results/eagle3/eval}
 jobs=${3:-1}
 mkdir -p "$out"
 bash ../shared/tools/machine-facts.sh > "$out/machine.txt" 2>/dev/null || true
 
-paired() {  # paired OUT ARGS...
-    local file=$1; shift
-    [ -f "$file" ] || OMP_NUM_THREADS=1 $TF paired --limit 10 --max-new-tokens 128 --budget 16,64 --no-progress "$@" \
-        --out "$file.tmp" > "$file.log" 2>&1
-    [ -f "$file" ] || mv "$file.tmp" "$file"
-}
-export -f paired
 for t in 0 1; do
     for dataset in chat-dev gsm8k humaneval mbpp; do
         echo "$out/eagle3-$dataset-T$t.json --dataset $dataset --temperature $t --methods eagle3 --drafter $drafter"
@@ -32,5 +24,5 @@ for t in 0 1; do
             echo "$out/shipped-$method-$dataset-T$t.json --dataset $dataset --temperature $t --methods $method"
         done
     done
-done | xargs -P "$jobs" -L 1 bash -c 'paired "$@"' _
+done | bash scripts/paired_jobs.sh "$jobs" 16,64
 echo "== done: $out"
