@@ -2,8 +2,9 @@
 
     python scripts/ship_if_better.py EVAL_DIR METHODS [SHIP [NEW SHIPPED]...]
 
-EVAL_DIR/eval holds `treeflash paired` reports new-D.json and shipped-D.json for each domain D (scripts/train_all.sh
-writes them). Prints the tau table (markdown, for the model card) and exits 0 when every method in METHODS (commas)
+EVAL_DIR/eval holds `treeflash paired` reports for each domain D: new-D.json and shipped-D.json, or one report per
+method, new-D-METHOD.json and shipped-D-METHOD.json, so that each method is scored on its own rounds
+(scripts/train_all.sh writes those). Prints the tau table (markdown, for the model card) and exits 0 when every method in METHODS (commas)
 has a higher expected tau with the new drafters than with the shipped ones on every domain, 1 otherwise. With SHIP
 = 1 and a win, each NEW folder replaces its SHIPPED folder (a TreeFlash adapter's backbone path is pointed at the
 shipped DFlash folder beside it).
@@ -19,16 +20,31 @@ from pathlib import Path
 DOMAINS = ("chat-dev", "gsm8k", "humaneval", "mbpp")
 
 
+def domain_taus(eval_dir: Path, side: str, domain: str) -> dict[str, float]:
+    """Expected tau per method over every report of one side ("new" or "shipped") for one domain."""
+    paths = sorted({*eval_dir.glob(f"{side}-{domain}.json"), *eval_dir.glob(f"{side}-{domain}-*.json")})
+    if not paths:
+        sys.exit(f"no {side}-{domain}*.json in {eval_dir}")
+    taus: dict[str, float] = {}
+    for path in paths:
+        for method, row in json.loads(path.read_text())["methods"].items():
+            if method in taus:
+                sys.exit(f"{method} is in two {side}-{domain} reports: which one counts?")
+            taus[method] = row["expected_tau"]
+    return taus
+
+
 def tau_table(eval_dir: Path, methods: list[str]) -> tuple[list[str], bool]:
     lines = ["| domain | " + " | ".join(f"{m} shipped | {m} new | new / shipped" for m in methods) + " |",
              "|---|" + "---|---|---|" * len(methods)]
     wins = True
     for domain in DOMAINS:
-        new = json.loads((eval_dir / f"new-{domain}.json").read_text())["methods"]
-        old = json.loads((eval_dir / f"shipped-{domain}.json").read_text())["methods"]
+        new, old = domain_taus(eval_dir, "new", domain), domain_taus(eval_dir, "shipped", domain)
         cells = []
         for m in methods:
-            a, b = old[m]["expected_tau"], new[m]["expected_tau"]
+            if m not in new or m not in old:
+                sys.exit(f"{m} is missing from the {domain} reports (new: {sorted(new)}, shipped: {sorted(old)})")
+            a, b = old[m], new[m]
             wins &= b > a
             cells.append(f"{a:.3f} | {b:.3f} | {b / a:.3f}x")
         lines.append(f"| {domain} | " + " | ".join(cells) + " |")

@@ -12,8 +12,8 @@
 #    then cosine to 0 over the stage, peak --lr $LR) when $RUNS has no stage yet; stage k from stage k-1's end.
 #    A stage is $STAGE_STEPS steps of 4 sequences, 512 anchors each (about 11,000 drafted positions and 9 s a
 #    step on 2 cores, AVX512-BF16: 1,500 steps are 16 M positions in about 3.7 hours).
-# 3. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the stage's drafter and of the shipped one, with `paired`
-#    (scripts/ship_if_better.py prints the table for the model card);
+# 3. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the stage's drafter and of the shipped one, with `paired`,
+#    each method on its own rounds, at B = 16 and 4 (scripts/ship_if_better.py prints the table for the model card);
 # 4. where the stage's drafter beats the shipped one on every domain: the TreeFlash AR layer and the Weaver on it
 #    (frozen backbone, from the shipped ones, one thread each, side by side); if they beat the shipped ones on every
 #    domain too, the three replace the shipped drafters (SHIP=1), together: the adapters are tied to their backbone.
@@ -29,6 +29,7 @@ STAGE_STEPS=${STAGE_STEPS:-1500}  # 4 sequences a step, about 2,500 drafted posi
 LR=${LR:-3e-4}                    # the shipped drafter is trained already: half the fresh peak
 ADAPTER_STEPS=${ADAPTER_STEPS:-600}
 SHIP=${SHIP:-0}
+BUDGETS=${BUDGETS:-16,4}          # the tree sizes a stage must win at: 16, and 4 near what --budget auto picks on a CPU
 ANSWERS=${ANSWERS:-1}             # 0: train on data/answers as it stands (skip step 1's regen)
 SHIPPED=src/treeflash/checkpoints
 REGEN=(--batch-size 48 --max-new-tokens 256 --dtype bfloat16)
@@ -46,16 +47,24 @@ $TF data check
 
 paired() {  # paired OUT ARGS...: skipped when OUT exists, so that a rerun picks up where it stopped
     local out=$1; shift
-    [ -f "$out" ] || $TF paired --limit 10 --max-new-tokens 128 --budget 16 --no-progress "$@" --out "$out.tmp"
+    [ -f "$out" ] || $TF paired --limit 10 --max-new-tokens 128 --budget "$BUDGETS" --no-progress "$@" --out "$out.tmp"
     [ -f "$out" ] || mv "$out.tmp" "$out"
 }
 evaluate() {  # evaluate RUN METHODS ARGS...: tau per domain of RUN's drafters and of the shipped ones
-    local run=$1 methods=$2; shift 2
+    local run=$1 methods=$2 method; shift 2
     mkdir -p "$run/eval"
     for dataset in chat-dev gsm8k humaneval mbpp; do
-        paired "$run/eval/new-$dataset.json" --dataset "$dataset" --methods "$methods" "$@"
-        paired "$run/eval/shipped-$dataset.json" --dataset "$dataset" --methods "$methods"
+        for method in ${methods//,/ }; do  # one run per method: paired scores a run's methods on its first one's rounds
+            paired "$run/eval/new-$dataset-$method.json" --dataset "$dataset" --methods "$method" "$@"
+            paired "$run/eval/shipped-$dataset-$method.json" --dataset "$dataset" --methods "$method"
+        done
     done
+}
+at_budgets() {  # at_budgets a,b -> a@16,a@4,b@16,b@4: the columns ship_if_better compares (paired's names)
+    [[ $BUDGETS == *,* ]] || { echo "$1"; return; }  # one budget: no @ in the names
+    local m b out=()
+    for m in ${1//,/ }; do for b in ${BUDGETS//,/ }; do out+=("$m@$b"); done; done
+    local IFS=,; echo "${out[*]}"
 }
 
 previous="$SHIPPED/smollm2-135m-instruct-dflash"
@@ -66,7 +75,7 @@ for stage in $(seq 1 "$STAGES"); do
     echo "== 3. tau of stage $stage"
     evaluate "$run" dflash,ddtree --drafter "$run/drafter"
     # the adapters are tied to their backbone (its sha256): a backbone ships with adapters trained on it, or not at all
-    if $PY scripts/ship_if_better.py "$run" dflash,ddtree; then
+    if $PY scripts/ship_if_better.py "$run" "$(at_budgets dflash,ddtree)"; then
         echo "== 4. adapters on the stage-$stage backbone"
         OMP_NUM_THREADS=1 $TF train treeflash --backbone "$run/drafter" --freeze-backbone \
             --init "$SHIPPED/smollm2-135m-instruct-treeflash" --out "$run/treeflash" \
@@ -76,7 +85,7 @@ for stage in $(seq 1 "$STAGES"); do
         wait -n && wait -n  # both must succeed
         mkdir -p "$run/adapters"
         evaluate "$run/adapters" treeflash,tfm --drafter "$run/treeflash/drafter" --weaver "$run/weaver/weaver"
-        $PY scripts/ship_if_better.py "$run/adapters" treeflash,tfm "$SHIP" \
+        $PY scripts/ship_if_better.py "$run/adapters" "$(at_budgets treeflash,tfm)" "$SHIP" \
             "$run/drafter" "$SHIPPED/smollm2-135m-instruct-dflash" \
             "$run/treeflash/drafter" "$SHIPPED/smollm2-135m-instruct-treeflash" \
             "$run/weaver/weaver" "$SHIPPED/smollm2-135m-instruct-weaver" || true

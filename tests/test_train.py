@@ -581,6 +581,34 @@ def test_a_stage_ships_only_when_it_wins_everywhere(tmp_path):
     assert (shipped / "README.md").read_text() == "card"
 
 
+def test_a_stage_is_judged_on_one_report_per_method(tmp_path):
+    """ship_if_better merges new-D-METHOD.json reports (each method on its own rounds), and refuses a method that two
+    reports of one domain score."""
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "ship_if_better.py"
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+
+    def report(name, method, tau):
+        (eval_dir / name).write_text(json.dumps({"methods": {f"{method}@16": {"expected_tau": tau}}}))
+
+    for domain in ("chat-dev", "gsm8k", "humaneval", "mbpp"):
+        for method, new_tau in (("treeflash", 2.2), ("tfm", 2.3 if domain != "gsm8k" else 1.9)):
+            report(f"shipped-{domain}-{method}.json", method, 2.0)
+            report(f"new-{domain}-{method}.json", method, new_tau)
+
+    def judge(methods):
+        return subprocess.run([sys.executable, str(script), str(tmp_path), methods], capture_output=True, text=True)
+
+    assert judge("treeflash@16").returncode == 0
+    lost = judge("treeflash@16,tfm@16")
+    assert lost.returncode == 1 and "| gsm8k | 2.000 | 2.200 | 1.100x | 2.000 | 1.900 | 0.950x |" in lost.stdout
+    assert "missing" in judge("ddtree@16").stderr
+    report("new-gsm8k.json", "tfm", 2.5)  # a second report for tfm on gsm8k
+    assert "in two new-gsm8k reports" in judge("tfm@16").stderr
+
+
 def test_batch_rule_for_many_processes():
     from treeflash.train.trainer import DEFAULT_BATCH_SIZE, batch_size_for
 
