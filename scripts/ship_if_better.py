@@ -4,10 +4,11 @@
 
 EVAL_DIR/eval holds `treeflash paired` reports for each domain D: new-D.json and shipped-D.json, or one report per
 method, new-D-METHOD.json and shipped-D-METHOD.json, so that each method is scored on its own rounds
-(scripts/train_all.sh writes those). Prints the tau table (markdown, for the model card) and exits 0 when every method in METHODS (commas)
-has a higher expected tau with the new drafters than with the shipped ones on every domain, 1 otherwise. With SHIP
-= 1 and a win, each NEW folder replaces its SHIPPED folder (a TreeFlash adapter's backbone path is pointed at the
-shipped DFlash folder beside it).
+(scripts/train_all.sh writes those). Prints the tau table (markdown, for the model card) and exits 0 when every
+method in METHODS (commas, paired's names: ddtree@16 where a report has several budgets) has a higher expected tau
+with the new drafters than with the shipped ones on every domain, 1 otherwise. With SHIP = 1 and a win, each NEW
+folder replaces its SHIPPED folder (a TreeFlash adapter's backbone path is pointed at the shipped DFlash folder
+beside it).
 """
 
 from __future__ import annotations
