@@ -89,7 +89,10 @@ class Int4Weight:
 
     @staticmethod
     def cat(weights: list["Int4Weight"]) -> "Int4Weight":
-        """The weights stacked along N (every N but the last a multiple of BLOCK_ROWS)."""
+        """The weights stacked along N (every N but the last a multiple of BLOCK_ROWS); one weight is itself, not a
+        copy."""
+        if len(weights) == 1:
+            return weights[0]
         if len({(w.shape[1], w.group) for w in weights}) != 1:
             raise ValueError("int4 weights of different inputs or groups do not concatenate")
         if any(w.shape[0] % BLOCK_ROWS for w in weights[:-1]):
