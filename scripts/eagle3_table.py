@@ -1,9 +1,10 @@
 """The table of scripts/eagle3_table.sh: tau (T = 0) or E[tau] (T = 1) per domain and budget of the EAGLE-3 drafter
 beside the shipped drafters' methods, from OUT_DIR/eagle3-D-T{t}.json and OUT_DIR/shipped-METHOD-D-T{t}.json, one
 method per file, each on its own rounds (markdown on stdout). With EQUAL_DIR (scripts/eagle3_equal_compute.sh), also
-the DFlash drafter trained for EAGLE-3's CPU seconds: EQUAL_DIR/equal-METHOD-D-T{t}.json.
+the DFlash drafter trained for EAGLE-3's CPU seconds: EQUAL_DIR/equal-METHOD-D-T{t}.json. With SPEED_DIR
+(scripts/eagle3_speed.sh), the speed of each method with `--budget auto` against `ar` in the same run.
 
-    python scripts/eagle3_table.py [OUT_DIR [EQUAL_DIR]]      # docs/results/eagle3/eval
+    python scripts/eagle3_table.py [OUT_DIR [EQUAL_DIR [SPEED_DIR]]]      # docs/results/eagle3/eval
 """
 
 from __future__ import annotations
@@ -52,6 +53,34 @@ def main(out: Path, equal: Path | None = None) -> None:
                 print(f"| {domain} | " + " | ".join(cells) + " |")
 
 
+def speed(folder: Path) -> None:
+    """tokens/s against `ar` of the same run (its 90 % interval) and the share of plain AR rounds, per method at
+    --budget auto, from folder/{shipped,eagle3,equal}/bench-D-T{t}.json (one bench run per drafter: `ar` is in
+    each, and each ratio is against its own run's)."""
+    runs = {"shipped": ("dflash", "ddtree", "treeflash", "tfm"), "equal": ("dflash", "ddtree"), "eagle3": ("eagle3",)}
+    columns = [(run, m) for run, methods in runs.items() for m in methods]
+    names = [m if m == run else f"{run} {m}" for run, m in columns]
+    for t in (0, 1):
+        print(f"\nT = {t}, --budget auto: tokens/s / ar's in the same run (AR-round share)\n")
+        print("| domain | ar tok/s (each run) | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(columns))
+        for domain in DOMAINS:
+            ar, cells = [], []
+            for run, m in columns:
+                path = folder / run / f"bench-{domain}-T{t}.json"
+                if not path.is_file():
+                    cells.append("-")
+                    continue
+                methods = json.loads(path.read_text())["methods"]
+                if m == runs[run][0]:
+                    ar.append(f"{methods['ar']['tokens_per_second']:.0f}")
+                row = methods.get(f"{m}@auto") or methods.get(m)
+                cells.append(f"{row['speedup_vs_ar']:.2f}x ({100 * row['ar_round_share']:.0f} %)" if row else "-")
+            print(f"| {domain} | {' / '.join(ar) or '-'} | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/eagle3/eval"),
          Path(sys.argv[2]) if len(sys.argv) > 2 else None)
+    if len(sys.argv) > 3:
+        speed(Path(sys.argv[3]))
