@@ -197,7 +197,9 @@ def build_parser() -> Parser:
         b.add_argument("--methods", type=(lambda t: _methods(t, baselines=True)) if name == "bench" else _methods,
                        default=None, help=f"comma-separated ({','.join(METHODS)}"
                        + (", and the baselines hf, hf-pld, llamacpp, llamacpp-pld" if name == "bench" else "")
-                       + "; default: those with a drafter shipped for the target)")
+                       + "; default: those with a drafter shipped for the target)"
+                       + ("; every variant is scored on the rounds the first one drives: one method per run gives "
+                          "each its own tau" if name == "paired" else ""))
         b.add_argument("--out", default=None, help="write the results as JSON to this file")
         b.add_argument("--no-progress", action="store_true")
         if name == "bench":
