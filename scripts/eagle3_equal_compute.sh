@@ -56,4 +56,24 @@ for t in 0 1; do
         done
     done
 done | bash scripts/paired_jobs.sh 2 16,64
+
+# The adapters on that backbone, from scratch, side by side (one thread each), for stated seconds on top of EAGLE-3's
+# (their logs' elapsed_s): an AR layer as the shipped one (SwiGLU, width 768) and a Weaver, lr 1e-3 as their first runs.
+echo "== TreeFlash AR layer and Weaver on it"
+adapter=(--batch-size 4 --max-len 512 --lr 1e-3 --seed 0 --num-anchors 64 --save-every 25 --log-every 10 --threads 1)
+[ -f "$run/treeflash/done" ] || { $TF train treeflash --backbone "$run/dflash/drafter" --freeze-backbone \
+    --ar-intermediate-size 768 --out "$run/treeflash" --steps 300 "${adapter[@]}" >> "$run/treeflash.log" 2>&1 \
+    && touch "$run/treeflash/done"; } &
+[ -f "$run/weaver/done" ] || { $TF train weaver --backbone "$run/dflash/drafter" --out "$run/weaver" --steps 200 \
+    "${adapter[@]}" >> "$run/weaver.log" 2>&1 && touch "$run/weaver/done"; } &
+wait
+[ -f "$run/treeflash/done" ] && [ -f "$run/weaver/done" ] || { echo "adapter training failed: $run/*.log"; exit 1; }
+for t in 0 1; do
+    for dataset in chat-dev gsm8k humaneval mbpp; do
+        echo "$run/eval/equal-treeflash-$dataset-T$t.json --dataset $dataset --temperature $t --methods treeflash \
+            --drafter $run/treeflash/drafter"
+        echo "$run/eval/equal-tfm-$dataset-T$t.json --dataset $dataset --temperature $t --methods tfm \
+            --drafter $run/dflash/drafter --weaver $run/weaver/weaver"
+    done
+done | bash scripts/paired_jobs.sh 2 16,64
 echo "== done: $run/eval"
