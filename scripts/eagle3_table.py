@@ -59,7 +59,7 @@ def speed(folder: Path) -> None:
     --budget auto, from folder/{shipped,eagle3,equal}/bench-D-T{t}.json (one bench run per drafter: `ar` is in
     each, and each ratio is against its own run's)."""
     runs = {"shipped": ("dflash", "ddtree", "treeflash", "tfm"), "equal": ("dflash", "ddtree"), "eagle3": ("eagle3",)}
-    columns = [(run, m) for run, methods in runs.items() for m in methods]
+    columns = [(run, m) for run, methods in runs.items() if (folder / run).is_dir() for m in methods]
     names = [m if m == run else f"{run} {m}" for run, m in columns]
     for t in (0, 1):
         print(f"\nT = {t}, --budget auto: tokens/s / ar's in the same run (AR-round share)\n")
