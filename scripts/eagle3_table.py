@@ -55,7 +55,7 @@ def main(out: Path, equal: Path | None = None) -> None:
 
 
 def speed(folder: Path) -> None:
-    """tokens/s against `ar` of the same run (its 90 % interval) and the share of plain AR rounds, per method at
+    """tokens/s against `ar` of the same run and the share of plain AR rounds, per method at
     --budget auto, from folder/{shipped,eagle3,equal}/bench-D-T{t}.json (one bench run per drafter: `ar` is in
     each, and each ratio is against its own run's)."""
     runs = {"shipped": ("dflash", "ddtree", "treeflash", "tfm"), "equal": ("dflash", "ddtree"), "eagle3": ("eagle3",)}

@@ -45,20 +45,17 @@ from treeflash.train.data import SOURCES, training_prompts as t; print(len(t(d()
 fi
 $TF data check
 
-paired() {  # paired OUT ARGS...: skipped when OUT exists, so that a rerun picks up where it stopped
-    local out=$1; shift
-    [ -f "$out" ] || $TF paired --limit 10 --max-new-tokens 128 --budget "$BUDGETS" --no-progress "$@" --out "$out.tmp"
-    [ -f "$out" ] || mv "$out.tmp" "$out"
-}
-evaluate() {  # evaluate RUN METHODS ARGS...: tau per domain of RUN's drafters and of the shipped ones
-    local run=$1 methods=$2 method; shift 2
+evaluate() {  # evaluate RUN METHODS ARGS...: tau per domain of RUN's drafters and of the shipped ones, two jobs at a
+    # time (scripts/paired_jobs.sh: a rerun skips finished reports); one run per method, as paired scores a run's
+    # methods on its first one's rounds
+    local run=$1 methods=$2 dataset method; shift 2
     mkdir -p "$run/eval"
     for dataset in chat-dev gsm8k humaneval mbpp; do
-        for method in ${methods//,/ }; do  # one run per method: paired scores a run's methods on its first one's rounds
-            paired "$run/eval/new-$dataset-$method.json" --dataset "$dataset" --methods "$method" "$@"
-            paired "$run/eval/shipped-$dataset-$method.json" --dataset "$dataset" --methods "$method"
+        for method in ${methods//,/ }; do
+            echo "$run/eval/new-$dataset-$method.json --dataset $dataset --methods $method $*"
+            echo "$run/eval/shipped-$dataset-$method.json --dataset $dataset --methods $method"
         done
-    done
+    done | bash scripts/paired_jobs.sh 2 "$BUDGETS"
 }
 at_budgets() {  # at_budgets a,b -> a@16,a@4,b@16,b@4: the columns ship_if_better compares (paired's names)
     [[ $BUDGETS == *,* ]] || { echo "$1"; return; }  # one budget: no @ in the names
