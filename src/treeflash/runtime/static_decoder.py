@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from . import crossover
 from .graphed import CaptureError, FixedShapeForward, bucket
 from .int4 import Int4Linear
 from .packed import linear, pack, packed_linear
@@ -274,7 +275,8 @@ class StaticDecoder:
     def compile(self) -> None:
         """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, built here (or
         loaded from its cache): those of the 4-bit kernel, from one row to COMPILED_ROWS (the packed dense copy's
-        products, prefills included, stay eager). Raises ValueError for a model whose layers have no compiled
+        products, prefills included, stay eager), and the LM head on its dense copy from the rows where that is
+        faster on this machine (measured once: `_measure_head`). Raises ValueError for a model whose layers have no compiled
         form, or whose activation is not SiLU."""
         from .compiled_layer import SEQUENCES, compile_layer, layer_weights  # (it imports this module)
 
@@ -284,6 +286,25 @@ class StaticDecoder:
         eps = self.layers[0].in_norm.variance_epsilon
         self.compiled_layers = {b: compile_layer(self.shape, eps, self.dtype, weights[0], b) for b in SEQUENCES}
         self.compiled_weights, self.compiled_rows = weights, COMPILED_ROWS
+        self._measure_head()
+
+    def _measure_head(self) -> None:
+        """Take the 4-bit LM head's dense copy from the row count where it is faster on this machine
+        (`crossover.py`; the fixed DENSE_ROWS rule stays the eager runtime's)."""
+        head = self.lm_head
+        if head.int4 is None or head.packed is None or not head.dense_rows:
+            return
+        products = [p.int4 for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                    if p.int4 is not None]
+        inputs = [torch.randn(1, m.in_features, dtype=self.dtype) for m in products]
+
+        def step_before_head():  # the layers' products of a decoding step stream through the caches first
+            for m, x in zip(products, inputs):
+                m(x)
+        key = ("lm_head", [p.shape for p in head.int4.parts], head.int4.source)
+        head.dense_rows = crossover.dense_rows(
+            "lm_head", head.int4, lambda x: packed_linear(x, head.packed, head.bias), head.int4.in_features,
+            self.dtype, head.dense_rows, step_before_head, key)
 
     @torch.no_grad()
     def _rope_table(self, length: int) -> None:
