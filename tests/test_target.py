@@ -164,3 +164,27 @@ def test_a_prefill_in_pieces_equals_one_forward(runtime):
     torch.testing.assert_close(pieces.logits, whole.logits, atol=ATOL, rtol=0)
     torch.testing.assert_close(pieces.hidden, whole.hidden, atol=ATOL, rtol=0)
     torch.testing.assert_close(target.verify(tree).logits, after_whole, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_prompt_from_position_zero_takes_sdpas_causal_kernel_with_the_masks_results(kind, monkeypatch):
+    """A prefill from position 0 runs SDPA's causal kernel (no mask; grouped-query heads unfolded), and gives what
+    the same tokens give under the explicit causal mask that every other forward of several tokens builds."""
+    from treeflash.runtime import static_decoder
+
+    target = tiny_target(kind, runtime="static")
+    d, n = target.static, 20
+    ids = torch.tensor([[random.Random(3).randrange(96) for _ in range(n)]])
+    positions = torch.arange(n)[None]
+    calls = []
+    sdpa = static_decoder.F.scaled_dot_product_attention
+    monkeypatch.setattr(static_decoder.F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(kwargs.get("is_causal", False)) or sdpa(*args, **kwargs))
+    causal = d.forward_batch(d.cache, 0, ids, positions, [0], None, taps=(0, 2))
+    assert calls and all(calls)
+    calls.clear()
+    masked = d.forward_batch(d.cache, 0, ids, positions, [0], torch.ones(1, n, n, dtype=torch.bool).tril(),
+                             taps=(0, 2))
+    assert calls and not any(calls)
+    for a, b in zip(causal, masked):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
