@@ -140,3 +140,18 @@ def test_a_broken_processor_fails_the_comparison(broken, monkeypatch):
 
     monkeypatch.setattr(Sampling, "probs", wrong)
     assert not torch.allclose(sampling.probs(logits), transformers_probs(logits, sampling), **PROCESSOR_TOL)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([-1.0, 0.0, 0.5, 2.0, float("inf"), float("-inf"), float("nan")]),
+                         min_size=1, max_size=12), min_size=1, max_size=4)
+       .filter(lambda rows: len({len(r) for r in rows}) == 1),
+       st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_the_cpu_argmax_is_torchs_with_ties_infinities_and_nan(rows, dtype):
+    """`verify.argmax` (NumPy's on the CPU) picks what torch's argmax picks: the first of equal maxima, NaN first."""
+    from treeflash.verify import argmax
+
+    logits = torch.tensor(rows, dtype=dtype)
+    assert argmax(logits).tolist() == logits.argmax(-1).tolist()
+    assert argmax(logits[:, ::2]).tolist() == logits[:, ::2].argmax(-1).tolist()  # a strided view
+    assert argmax(logits[0]).tolist() == logits[0].argmax(-1).tolist()  # one row

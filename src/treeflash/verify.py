@@ -68,9 +68,18 @@ class Sampling:
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """One token per row of `logits` [..., V]: argmax at T = 0, else an exact sample."""
         if self.greedy:
-            return logits.argmax(-1)
+            return argmax(logits)
         probs = self.probs(logits)
         return sample(probs.reshape(-1, probs.shape[-1]), generator).reshape(probs.shape[:-1])
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the first of equal maxima (NaN counting as the largest). On the CPU in fp32 through NumPy,
+    whose argmax is vectorised: 4 us against torch's 75 us over SmolLM2's 49,152 logits (AMX Xeon), 1 % of a 4-bit
+    AR step."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        return torch.as_tensor(logits.numpy().argmax(-1))  # (a NumPy scalar for one row)
+    return logits.argmax(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -148,7 +157,7 @@ def expected_accepted(tree: DraftTree, logits: torch.Tensor, sampling: Sampling)
     rows = torch.tensor([row[p] for p in tree.parents[1:]], dtype=torch.long, device=logits.device)
     own = torch.tensor(tree.tokens[1:], dtype=torch.long, device=logits.device)
     if sampling.greedy:
-        step = (logits[parents].argmax(-1)[rows] == own).float()
+        step = (argmax(logits[parents])[rows] == own).float()
     else:
         step = sampling.probs(logits[parents])[rows, own]  # each node's probability given its parent
     reach = [1.0]

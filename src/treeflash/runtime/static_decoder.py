@@ -220,6 +220,15 @@ class KVCache:
             v[..., :keep, :] = self.v[..., :keep, :]
         self.k, self.v = k, v
         self.graphs: dict = {}  # the fixed-shape forwards over these tensors (graphed.py), by shape
+        self._views: dict = {}  # each layer's K and V of some slots (`layer_views`), by slots
+
+    def layer_views(self, slots: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K and V of the slots `slots`, made once per allocation: indexing 60 views anew cost a
+        SmolLM2 step 0.09-0.16 ms, 1.5-2.5 % of it (AMX Xeon)."""
+        key = (slots.start, slots.stop)
+        if key not in self._views:
+            self._views[key] = [(self.k[i, slots], self.v[i, slots]) for i in range(len(self.k))]
+        return self._views[key]
 
     def reserve(self, length: int, keep: int) -> None:
         """Room for `length` positions (keeping the first `keep` of every slot)."""
@@ -403,13 +412,11 @@ class StaticDecoder:
         x = self.embed(ids)
         kept = {-1: x} if -1 in taps else {}  # layer -1: the embeddings (HF's hidden_states[0])
         compiled_layer = self.compiled_layers[min(len(ids), 2)] if compiled else None  # one sequence, or several
-        for i, layer in enumerate(self.layers):
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, cache.layer_views(slots))):
             if compiled_layer:
-                x = compiled_layer(x, cos, sin, cache.k[i, slots], cache.v[i, slots], cols, mask,
-                                   *self.compiled_weights[i])
+                x = compiled_layer(x, cos, sin, k, v, cols, mask, *self.compiled_weights[i])
             else:
-                x = decoder_layer(layer, self.shape, x, cos, sin, cache.k[i, slots], cache.v[i, slots], end, at,
-                                  cols, mask)
+                x = decoder_layer(layer, self.shape, x, cos, sin, k, v, end, at, cols, mask)
             if i in taps:  # as HF's hidden_states[i + 1], which for the last layer is after the final norm
                 kept[i] = _rms_norm(x, self.final_norm) if i == last else x
         return x, torch.stack([kept[i] for i in taps], dim=2) if taps else None
