@@ -4,9 +4,9 @@ A GGUF's 4-bit tensors multiply on PyTorch's int4 kernel, whose compute grows wi
 keeps a packed dense copy of each and takes it from `static_decoder.DENSE_ROWS` rows on, a fixed rule. The LM head
 is where machines disagree most. SmolLM2's head is Q8_0, two 4-bit halves: twice the kernel's work for the bytes of
 one dense bf16 copy. After a step's layers have streamed through the caches, its product at one row took 1.9-2.0 ms
-on the kernel and 1.37 ms on the dense copy on an Intel Xeon with AMX (docs/results/int4-drafter), while on an AMD
-EPYC the kernel was the faster at one row. So the compiled runtime measures the head's crossover at load (about
-half a second, once per machine: the result is cached beside the compiled packages) and keeps the fixed rule as the
+on the kernel and 1.37 ms on the dense copy on an Intel Xeon with AMX (docs/results/cpu-amx), while on an AMD
+EPYC the kernel was the faster at one row. So the compiled runtime measures the head's crossover at load (0.1-0.5
+s, once per machine: the result is cached beside the compiled packages) and keeps the fixed rule as the
 eager reference. The dense copy holds the same weights, rounded to the activations' dtype: a near-tie can round
 otherwise there, as on every dense product.
 """

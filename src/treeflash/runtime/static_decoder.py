@@ -293,8 +293,8 @@ class StaticDecoder:
         """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, built here (or
         loaded from its cache): those of the 4-bit kernel, from one row to COMPILED_ROWS (the packed dense copy's
         products, prefills included, stay eager), and the LM head on its dense copy from the rows where that is
-        faster on this machine (measured once: `_measure_head`). Raises ValueError for a model whose layers have no compiled
-        form, or whose activation is not SiLU."""
+        faster on this machine (measured once: `_measure_head`). Raises ValueError for a model whose layers have no
+        compiled form, or whose activation is not SiLU."""
         from .compiled_layer import SEQUENCES, compile_layer, layer_weights  # (it imports this module)
 
         if self.config.hidden_act != "silu":
