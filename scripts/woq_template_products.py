@@ -9,13 +9,13 @@ The template needs the weights frozen into the graph (parameters of the exported
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
+from forward_costs import timed  # scripts/ is on the path when a script runs
 
 from treeflash.runtime.int4 import GROUP, Int4Weight, quantise
 
@@ -36,17 +36,6 @@ class Products(torch.nn.Module):
     def forward(self, narrow: torch.Tensor, wide: torch.Tensor) -> list[torch.Tensor]:
         return [torch.ops.aten._weight_int4pack_mm_for_cpu(wide if p.shape[1] * 2 == wide.shape[1] else narrow, p,
                                                            GROUP, s) for p, s in zip(self.packed, self.scales)]
-
-
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -74,7 +63,7 @@ def main() -> None:
                 runs[name] = torch._inductor.aoti_load_package(path).loader.run
             diff = max((a.float() - b.float()).abs().max().item()
                        for a, b in zip(runs["kernel"](inputs), runs["template"](inputs)))
-            ms = {name: [median_ms(lambda: run(inputs), args.repeats) for _ in range(2)] for name, run in runs.items()}
+            ms = {name: [timed(lambda: run(inputs), args.repeats) for _ in range(2)] for name, run in runs.items()}
             row = {"rows": rows, "kernel_ms": ms["kernel"], "template_ms": ms["template"], "max_abs_diff": diff,
                    "compile_s": compile_s}
             print(f"{rows} rows: kernel {min(ms['kernel']):.2f} ms, template {min(ms['template']):.2f} ms "

@@ -391,7 +391,7 @@ class StaticDecoder:
         prompt = n > 1 and even and starts[0] == 0 and allowed is None and not compiled
         if n == 1 and even and compiled:  # (the compiled layer always takes a mask: its width is the attended length)
             mask = torch.ones(B, 1, g, end, dtype=torch.bool, device=ids.device)  # one token sees all its cache
-        elif (n > 1 and not prompt) or not even or compiled:  # each sequence sees its own cache; within the
+        elif not prompt and (n > 1 or not even or compiled):  # each sequence sees its own cache; within the
             # block, causal or its tree's ancestors
             inner = allowed if allowed is not None else torch.ones(B, n, n, dtype=torch.bool,
                                                                    device=ids.device).tril()
