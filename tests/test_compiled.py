@@ -18,7 +18,7 @@ from treeflash.batching import BatchTarget
 from treeflash.drafters import block_drafter, make_drafter
 from treeflash.drafters.load import compiled_like
 from treeflash.models.dflash import ContextCache
-from treeflash.runtime.static_decoder import COMPILED_ROWS
+from treeflash.runtime.static_decoder import COMPILED_ROWS, DENSE_COMPILED_ROWS
 from treeflash.runtime import TargetError, aoti, int4
 from treeflash.tree import random_tree
 
@@ -51,10 +51,13 @@ def eager_logits(target: Target, prompt: list[int], tree: DraftTree) -> torch.Te
 
 
 @needs_compiler
-def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled):
+def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled, monkeypatch):
     rng = random.Random(0)
-    assert compiled.static.compiled_rows == COMPILED_ROWS
-    for n in range(1, compiled.static.compiled_rows + 3):  # past the last compiled row count: eager again
+    assert compiled.static.compiled_rows == DENSE_COMPILED_ROWS and compiled.static.dense_layer
+    assert 0 <= compiled.static.int4_rows <= COMPILED_ROWS  # measured on this machine
+    monkeypatch.setattr(compiled.static, "int4_rows", 3)  # both forms, whatever the machine
+    # the 4-bit kernel's layer, the dense copies' from 4 rows, eager again past the last compiled row count
+    for n in [1, 2, 3, 4, 5, 9, 17, DENSE_COMPILED_ROWS, DENSE_COMPILED_ROWS + 1]:
         prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
         tree = random_tree(rng, 96, n)
         compiled.prefill(prompt)
@@ -65,8 +68,10 @@ def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled):
 
 
 @needs_compiler
-def test_compiled_batches_equal_eager_ones(compiled):
+@pytest.mark.parametrize("int4_rows", [COMPILED_ROWS, 0])  # the 4-bit kernel's layer, the dense copies'
+def test_compiled_batches_equal_eager_ones(compiled, monkeypatch, int4_rows):
     """Uneven lengths (indexed cache writes, masks for single tokens) and mixed tree sizes, over several rounds."""
+    monkeypatch.setattr(compiled.static, "int4_rows", int4_rows)
     rng = random.Random(1)
     histories = [repetitive_prompt(rng, 96, n) for n in (7, 19, 12)]
     batches = [BatchTarget(compiled, max_batch=3, capacity=64) for _ in range(2)]
@@ -96,7 +101,7 @@ def test_methods_on_a_compiled_target_give_the_eager_greedy_tokens(compiled):
     with compiled.eager():
         ar = generate(compiled, make_drafter("ar"), prompt, max_new_tokens=40).tokens
     assert generate(compiled, make_drafter("ar"), prompt, max_new_tokens=40).tokens == ar
-    for budget in (2, 4):  # trees the compiled layer verifies
+    for budget in (2, 4, 12):  # trees the compiled layers verify (12: on the dense copies)
         assert generate(compiled, make_drafter("pld"), prompt, 40, budget=budget).tokens == ar
         assert generate(compiled, OracleTreeDrafter(ar, len(prompt), 96), prompt, 40, budget=budget).tokens == ar
 

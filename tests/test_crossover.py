@@ -1,6 +1,7 @@
-"""The LM head's layout by row count (`runtime/crossover.py`): the rule picks the first row count where the dense
-copy is faster by its margin, the measurement runs once per machine and is read back from the cache, and a
-compiled 4-bit target takes its head's dense copy from the measured rows on (its logits: `test_compiled.py`)."""
+"""The layout of 4-bit products by row count (`runtime/crossover.py`): the rule picks the first row count where the
+dense copy is faster by its margin, the measurement runs once per machine and is read back from the cache, and a
+compiled 4-bit target takes its head's and its layers' dense copies from the measured rows on (their logits:
+`test_compiled.py`)."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from treeflash import Target
 from treeflash.runtime import crossover
 from treeflash.runtime.int4 import quantise_linears
-from treeflash.runtime.static_decoder import DENSE_ROWS
+from treeflash.runtime.static_decoder import COMPILED_ROWS, DENSE_COMPILED_ROWS, DENSE_ROWS
 
 from conftest import tiny_target
 from test_compiled import needs_compiler
@@ -33,11 +34,11 @@ def test_the_crossover_is_measured_once_then_read_from_the_cache(tmp_path, monke
     monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path))
     calls = []
 
-    def kernel(x):
-        calls.append(len(x))
-        return x
+    def products(rows):
+        x = torch.randn(rows, 32)
+        return lambda: calls.append(rows) or x, lambda: x
 
-    args = ("head", kernel, lambda x: x, 32, torch.float32, MAX_ROWS, lambda: None, ("shapes",))
+    args = ("head", products, MAX_ROWS, lambda: None, ("shapes",))
     first = crossover.dense_rows(*args)
     assert 1 <= first <= MAX_ROWS and calls
     timed = len(calls)
@@ -58,4 +59,7 @@ def test_a_compiled_target_with_a_4bit_head_measures_it(tmp_path, monkeypatch):
     head = target.static.lm_head
     assert head.int4 is not None and head.dense_rows == DENSE_ROWS[torch.float32]  # eager: the fixed rule
     assert target.compile("on")
-    assert head.dense_rows == 2 and seen and seen[0][2] == DENSE_ROWS[torch.float32]
+    assert head.dense_rows == 2 and (DENSE_ROWS[torch.float32]) in [max_rows for *_, max_rows in seen]
+    # the layers' crossover too: the 4-bit kernel below it, the dense copies' compiled layer from it on
+    assert (COMPILED_ROWS + 1) in [max_rows for *_, max_rows in seen]
+    assert target.static.int4_rows == 1 and target.static.compiled_rows == DENSE_COMPILED_ROWS

@@ -12,6 +12,12 @@ batches' package, `SEQUENCES`) and a second start loads them in milliseconds.
 
 The layer takes its weights as plain tensors (nothing frozen into the package) and finds the attended length in
 the mask's width. `static_decoder.decoder_layer` is the eager reference; tests hold this one to it.
+
+A second form of the layer multiplies on the packed dense copy the runtime keeps of the same weights, for the rows
+where the 4-bit kernel's compute costs more than reading the dense bytes: trees and batches of about 5 rows and
+more (on an Intel Xeon with AMX, SmolLM2's products at 5-8 rows take 10.4 ms on the kernel and 6.4 ms dense). Its
+products are oneDNN's packed linear (`packed.packed_linear`), an op inductor's own freezing pass emits: here it
+takes the packed weights as inputs, through `treeflash::packed_linear` and a lowering to the same extern call.
 """
 
 from __future__ import annotations
@@ -24,40 +30,46 @@ import torch.nn.functional as F
 
 from . import aoti
 from .int4 import GROUP
+from .packed import packed_linear
 from .static_decoder import _rotate
 
 
-def layer_weights(layer) -> tuple[torch.Tensor, ...]:
-    """A static-decoder layer's tensors in the compiled layer's order; ValueError where it has no compiled form:
-    products that are not single 4-bit parts (dense, Q8_0's two halves), biases, or q/k norms (Qwen3)."""
+def layer_weights(layer, dense: bool = False) -> tuple[torch.Tensor, ...]:
+    """A static-decoder layer's tensors in the compiled layer's order (`dense`: its products' packed dense copies
+    instead of their 4-bit blocks); ValueError where it has no compiled form: products that are not single 4-bit
+    parts (dense, Q8_0's two halves), biases, dense copies missing, or q/k norms (Qwen3)."""
     projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
     if any(p.int4 is None or len(p.int4.parts) != 1 or p.int4.bias is not None for p in projections):
         raise ValueError("the compiled layer runs single-part 4-bit products without biases (Q4_0, Q4_1, Q4_K)")
+    if dense and any(p.packed is None for p in projections):
+        raise ValueError("the products have no packed dense copy (a CPU without native bf16, or no oneDNN)")
     if layer.q_norm is not None:
         raise ValueError("the compiled layer has no q/k norms (Qwen3)")
     weights = [layer.in_norm.weight.detach(), layer.post_norm.weight.detach()]
     for p in projections:
-        weights += [p.int4.parts[0].packed, p.int4.parts[0].scale_zeros]
+        weights += [p.packed] if dense else [p.int4.parts[0].packed, p.int4.parts[0].scale_zeros]
     return tuple(weights)
 
 
 class Layer(torch.nn.Module):
     """One decoder layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps` and SiLU
-    gates, as exported: layer(x, cos, sin, k_cache, v_cache, cols, mask, *layer_weights(layer)) with the arguments
-    of `static_decoder.decoder_layer` (the K/V always written at `cols`; the tokens attend to the cache's first
-    mask.shape[-1] positions under `mask`)."""
+    gates, as exported: layer(x, cos, sin, k_cache, v_cache, cols, mask, *layer_weights(layer, dense)) with the
+    arguments of `static_decoder.decoder_layer` (the K/V always written at `cols`; the tokens attend to the cache's
+    first mask.shape[-1] positions under `mask`)."""
 
-    def __init__(self, shape: tuple[int, int, int], eps: float):
+    def __init__(self, shape: tuple[int, int, int], eps: float, dense: bool = False):
         super().__init__()
-        self.shape, self.eps = shape, eps
+        self.shape, self.eps, self.dense = shape, eps, dense
 
-    def forward(self, x, cos, sin, k_cache, v_cache, cols, mask, in_norm, post_norm, qkv, qkv_sz, o, o_sz,
-                gate_up, gate_up_sz, down, down_sz):
+    def forward(self, x, cos, sin, k_cache, v_cache, cols, mask, in_norm, post_norm, *products):
+        # each product's tensors: a packed dense weight, or the 4-bit blocks and their scales and zeros
+        per = 1 if self.dense else 2
+        qkv, o, gate_up, down = (products[i:i + per] for i in range(0, 4 * per, per))
         heads, kv_heads, hd = self.shape
         qd, kvd = heads * hd, kv_heads * hd
         B, n, _ = x.shape
         end = mask.shape[-1]
-        h = _product(F.rms_norm(x, in_norm.shape, in_norm, self.eps), qkv, qkv_sz)
+        h = _product(F.rms_norm(x, in_norm.shape, in_norm, self.eps), *qkv)
         qk = _rotate(h[..., :qd + kvd].view(B, n, heads + kv_heads, hd).transpose(1, 2), cos, sin)
         v = h[..., qd + kvd:].view(B, n, kv_heads, hd).transpose(1, 2)
         q, k = qk[:, :heads], qk[:, heads:]
@@ -67,23 +79,64 @@ class Layer(torch.nn.Module):
         k_cache.index_put_(index, k)
         v_cache.index_put_(index, v)
         q = q.reshape(B, kv_heads, heads // kv_heads * n, hd)  # grouped-query attention, as decoder_layer
-        # attention as two fused reductions: no matrix-product call, and no pattern inductor would turn back
-        # into its SDPA call (which costs more than the whole attention at decoding's sizes)
-        scores = (q.float()[:, :, :, None] * k_cache[:, :, None, :end].float()).sum(-1) * hd ** -0.5
-        scores = scores.masked_fill(~mask, float("-inf"))
-        # the softmax's division after the weighted sum: once a row, not once a position (3-5 % of a 2-4 row layer)
-        e = (scores - scores.amax(-1, keepdim=True)).exp()
-        out = ((e[..., None] * v_cache[:, :, None, :end].float()).sum(-2) / e.sum(-1, keepdim=True)).to(x.dtype)
+        if self.dense:  # the many rows of trees and batches: SDPA's kernel, whose cost grows least with rows x
+            # positions (one SmolLM2 layer at 8 / 17 rows after 600 positions: 0.30 / 0.40 ms, 0.51 / 0.90 as below)
+            out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask)
+        else:  # attention as two fused reductions: no matrix-product call, and no pattern inductor would turn back
+            # into its SDPA call (which costs more than the whole attention at decoding's few rows)
+            scores = (q.float()[:, :, :, None] * k_cache[:, :, None, :end].float()).sum(-1) * hd ** -0.5
+            scores = scores.masked_fill(~mask, float("-inf"))
+            # the softmax's division after the weighted sum: once a row, not once a position (3-5 % of a 2-4 row
+            # layer)
+            e = (scores - scores.amax(-1, keepdim=True)).exp()
+            out = ((e[..., None] * v_cache[:, :, None, :end].float()).sum(-2) / e.sum(-1, keepdim=True)).to(x.dtype)
         out = out.reshape(B, heads, n, hd).transpose(1, 2).reshape(B, n, qd)
-        x = x + _product(out, o, o_sz)
-        gate, up = _product(F.rms_norm(x, post_norm.shape, post_norm, self.eps), gate_up, gate_up_sz).chunk(2, -1)
-        return x + _product(F.silu(gate) * up, down, down_sz)
+        x = x + _product(out, *o)
+        gate, up = _product(F.rms_norm(x, post_norm.shape, post_norm, self.eps), *gate_up).chunk(2, -1)
+        return x + _product(F.silu(gate) * up, *down)
 
 
-def _product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1]).to(scale_zeros.dtype)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scale_zeros).to(x.dtype)
-    return y.reshape(*x.shape[:-1], -1)
+def _product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T on the 4-bit blocks `packed` and their `scale_zeros`, or on W's packed dense copy (no scales)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if scale_zeros is None:
+        y = torch.ops.treeflash.packed_linear(flat.to(packed.dtype).contiguous(), packed)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(scale_zeros.dtype), packed, GROUP, scale_zeros)
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+@torch.library.custom_op("treeflash::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`packed.packed_linear` as an op that export keeps whole: inductor's own lowering of oneDNN's packed linear
+    wants the weight frozen into the graph (a constant), this one takes it as an input."""
+    return packed_linear(x, packed)
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+def _lower_packed_linear(x, packed):
+    """The op's inductor lowering: oneDNN's packed-linear extern kernel (`mkldnn_ir.LinearUnary`, as freezing emits
+    it) on the weight as given. Inductor's `create` would first copy the weight into a contiguous buffer, which
+    for an input in oneDNN's opaque layout reads garbage: constants of that layout alone are exempt."""
+    from torch._inductor import ir, mkldnn_ir
+
+    x = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(x))
+    packed = ir.ExternKernel.realize_input(packed)
+    *rows, _ = x.get_size()
+    layout = ir.FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[*rows, packed.get_size()[0]])
+    node = mkldnn_ir.LinearUnary(layout=layout, inputs=[x, packed], constant_args=[None, "none", [-1], ""])
+    return ir.TensorBox.create(mkldnn_ir._create_output_node(node))
+
+
+def _register_lowering() -> None:
+    from torch._inductor.lowering import lowerings, register_lowering
+
+    if torch.ops.treeflash.packed_linear.default not in lowerings:
+        register_lowering(torch.ops.treeflash.packed_linear)(_lower_packed_linear)
 
 
 def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...], dtype: torch.dtype,
@@ -110,19 +163,20 @@ SEQUENCES = (1, 2)
 
 
 def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
-                  sequences: int) -> Callable:
+                  sequences: int, dense: bool = False) -> Callable:
     """The compiled layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps`, activations
-    of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights`), for forwards of one sequence
-    (`sequences` 1) or of any number (2): loaded from the cache, or built first (`aoti.package`: one per model shape
-    and machine). Called as `Layer.forward`."""
-    key = (shape, eps, str(dtype), aoti.shapes(weights), sequences, Path(__file__).read_bytes())
+    of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights(layer, dense)`), for forwards of one
+    sequence (`sequences` 1) or of any number (2): loaded from the cache, or built first (`aoti.package`: one per
+    model shape, form and machine). Called as `Layer.forward`."""
+    _register_lowering()
+    key = (shape, eps, str(dtype), aoti.shapes(weights), sequences, dense, Path(__file__).read_bytes())
     auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
     dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
-            {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}) + (None,) * len(weights)
+            {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}, None, None, (None,) * (len(weights) - 2))  # the norms, products
     # realize the rotated q|k once: below inductor's default threshold (4 reads) q's rotation was inlined into the
     # scores' reduction and computed again for every attended position (a 2-4 row layer 5-10 % slower at 256
     # positions, 10-15 % at 512)
-    run = aoti.package("layer", key, lambda: aoti.export_sized(Layer(shape, eps), example_inputs(
+    run = aoti.package("layer", key, lambda: aoti.export_sized(Layer(shape, eps, dense), example_inputs(
         shape, weights, dtype, sequences), dims), inductor={"realize_reads_threshold": 3})
 
     def layer(*args: torch.Tensor) -> torch.Tensor:

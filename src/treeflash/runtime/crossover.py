@@ -68,12 +68,12 @@ def machine() -> str:
 
 
 @torch.inference_mode()
-def dense_rows(name: str, kernel: Callable[[torch.Tensor], torch.Tensor],
-               dense: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+def dense_rows(name: str, products: Callable[[int], tuple[Callable[[], object], Callable[[], object]]],
                max_rows: int, flush: Callable[[], object], key: tuple) -> int:
-    """The rows from which the product `name` (identified with its weights' shapes by `key`) runs on its dense
-    copy: `first_faster` of the two layouts, timed on this machine the first time, then read from the cache."""
-    digest = hashlib.sha256(repr((machine(), str(dtype), max_rows, MARGIN) + key).encode()).hexdigest()[:16]
+    """The rows from which the product(s) `name` (identified with its weights' shapes by `key`) run on their dense
+    copy: `first_faster` of the two layouts, timed on this machine the first time, then read from the cache.
+    products(rows) gives the kernel's and the dense copy's runs at that many rows, their inputs made."""
+    digest = hashlib.sha256(repr((machine(), max_rows, MARGIN) + key).encode()).hexdigest()[:16]
     path = cache_dir() / "crossover" / f"{name}-{digest}.json"
     try:
         return int(json.loads(path.read_text())["dense_rows"])
@@ -83,8 +83,7 @@ def dense_rows(name: str, kernel: Callable[[torch.Tensor], torch.Tensor],
 
     def ms(rows: int) -> list[float]:
         if rows not in measured:
-            x = torch.randn(rows, in_features, dtype=dtype)
-            measured[rows] = timed_ms((lambda: kernel(x), lambda: dense(x)), flush)
+            measured[rows] = timed_ms(products(rows), flush)
         return measured[rows]
     rows = first_faster(lambda n: ms(n)[0], lambda n: ms(n)[1], max_rows)
     log.info("%s: the dense copy from %d rows on (kernel / dense ms by rows: %s)", name, rows, measured)

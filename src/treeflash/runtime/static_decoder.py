@@ -16,8 +16,9 @@ What makes it lean, each against what the generic HF path does:
   position 0); grouped-query attention folds the query heads of a group into the query axis instead of repeating
   K/V;
 - only the tapped layers' outputs are kept, and the LM head runs only at the positions asked for;
-- on request (`compile`), forwards of a few rows run each layer compiled ahead of time (`compiled_layer.py`), with
-  `decoder_layer` as the eager reference; on CUDA, verification forwards run as CUDA graphs in fixed shapes
+- on request (`compile`), forwards of up to DENSE_COMPILED_ROWS rows run each layer compiled ahead of time
+  (`compiled_layer.py`: on the int4 kernel for a few rows, on the dense copies from the rows where those are
+  faster on this machine), with `decoder_layer` as the eager reference; on CUDA, verification forwards run as CUDA graphs in fixed shapes
   (`graphed.py`: token buckets, attention over the cache's capacity under a mask built on the device).
 """
 
@@ -67,6 +68,11 @@ DENSE_ROWS = {torch.bfloat16: 6, torch.float32: 12}
 # attention's cost grows faster with rows x positions: 12 rows cost 15.6 / 21.7 / 30.7 ms compiled against 15.3 /
 # 20.0 / 25.9 (AVX512-BF16, docs/results/rest). Its LM head (not in the layer) takes the dense copy from DENSE_ROWS.
 COMPILED_ROWS = 6
+# The compiled layer on the dense copies takes forwards from the rows where those are faster (`compiled` measures
+# it: 5 on an Intel Xeon with AMX) up to this many (trees, batches, short prompts). A whole SmolLM2 verify of 8 / 17
+# / 32 rows after 200 positions: 11.9 / 14.8 / 17.8 ms compiled, 17.3 / 22.6 / 25.6 eager; after 1,200: 17.1 / 20.8
+# / 27.0 against 22.4 / 28.2 / 34.0 (docs/results/cpu-amx)
+DENSE_COMPILED_ROWS = 32
 
 
 class _Projection:
@@ -279,7 +285,9 @@ class StaticDecoder:
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self._rope_table(capacity)
         self.cache = self.new_cache(1, capacity)
-        self.compiled_layers, self.compiled_weights, self.compiled_rows = {}, [], 0  # by sequences traced
+        # compiled layers by sequences traced, on the 4-bit kernel up to int4_rows, then on the dense copies
+        self.compiled_layers, self.compiled_weights, self.int4_rows, self.compiled_rows = {}, [], 0, 0
+        self.dense_layer, self.dense_weights = None, []
         self.graphs: str | None = None  # "capture": verification forwards as CUDA graphs; "eager": same shapes
 
     def use_graphs(self, capture: bool = True) -> None:
@@ -291,10 +299,11 @@ class StaticDecoder:
 
     def compile(self) -> None:
         """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, built here (or
-        loaded from its cache): those of the 4-bit kernel, from one row to COMPILED_ROWS (the packed dense copy's
-        products, prefills included, stay eager), and the LM head on its dense copy from the rows where that is
-        faster on this machine (measured once: `_measure_head`). Raises ValueError for a model whose layers have no
-        compiled form, or whose activation is not SiLU."""
+        loaded from its cache): on the 4-bit kernel from one row, and on the packed dense copy (where the products
+        have one) from the rows where it is faster on this machine up to DENSE_COMPILED_ROWS (prefills and larger
+        forwards stay eager); the LM head on its dense copy from the rows where that is faster. Both crossovers are
+        measured once per machine (`crossover.py`). Raises ValueError for a model whose layers have no compiled
+        form, or whose activation is not SiLU."""
         from .compiled_layer import SEQUENCES, compile_layer, layer_weights  # (it imports this module)
 
         if self.config.hidden_act != "silu":
@@ -302,8 +311,30 @@ class StaticDecoder:
         weights = [layer_weights(layer) for layer in self.layers]
         eps = self.layers[0].in_norm.variance_epsilon
         self.compiled_layers = {b: compile_layer(self.shape, eps, self.dtype, weights[0], b) for b in SEQUENCES}
-        self.compiled_weights, self.compiled_rows = weights, COMPILED_ROWS
+        self.compiled_weights, self.int4_rows = weights, COMPILED_ROWS
+        try:
+            dense = [layer_weights(layer, dense=True) for layer in self.layers]
+        except ValueError:  # no dense copies: the 4-bit kernel up to COMPILED_ROWS, eager beyond
+            self.compiled_rows = COMPILED_ROWS
+        else:
+            # one package for any batch: its attention and products are extern kernels, which split their own
+            # work among threads (traced with one sequence or two, 5-32 row verifies took the same time)
+            self.dense_layer = compile_layer(self.shape, eps, self.dtype, dense[0], max(SEQUENCES), dense=True)
+            self.dense_weights, self.compiled_rows = dense, DENSE_COMPILED_ROWS
+            self.int4_rows = self._measure_layers() - 1
         self._measure_head()
+
+    def _measure_layers(self) -> int:
+        """From how many rows the layers' products are faster on their dense copies, up to COMPILED_ROWS + 1
+        (`crossover.py`)."""
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+        def products(rows: int):
+            inputs = [torch.randn(rows, p.int4.in_features, dtype=self.dtype) for p in projections]
+            return (lambda: [p.int4(x) for p, x in zip(projections, inputs)],
+                    lambda: [packed_linear(x, p.packed) for p, x in zip(projections, inputs)])
+        key = ("layers", str(self.dtype), [p.int4.parts[0].shape for p in projections[:4]], len(self.layers))
+        return crossover.dense_rows("layers", products, COMPILED_ROWS + 1, lambda: None, key)
 
     def _measure_head(self) -> None:
         """Take the 4-bit LM head's dense copy from the row count where it is faster on this machine
@@ -318,10 +349,12 @@ class StaticDecoder:
         def step_before_head():  # the layers' products of a decoding step stream through the caches first
             for m, x in zip(products, inputs):
                 m(x)
-        key = ("lm_head", [p.shape for p in head.int4.parts], head.int4.source)
-        head.dense_rows = crossover.dense_rows(
-            "lm_head", head.int4, lambda x: packed_linear(x, head.packed, head.bias), head.int4.in_features,
-            self.dtype, head.dense_rows, step_before_head, key)
+
+        def runs(rows: int):
+            x = torch.randn(rows, head.int4.in_features, dtype=self.dtype)
+            return lambda: head.int4(x), lambda: packed_linear(x, head.packed, head.bias)
+        key = ("lm_head", str(self.dtype), [p.shape for p in head.int4.parts], head.int4.source)
+        head.dense_rows = crossover.dense_rows("lm_head", runs, head.dense_rows, step_before_head, key)
 
     @torch.no_grad()
     def _rope_table(self, length: int) -> None:
@@ -405,16 +438,20 @@ class StaticDecoder:
                        end: int, at: int | None, cols: torch.Tensor, mask: torch.Tensor | None,
                        taps: tuple[int, ...], compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The embeddings of ids [B, n] through every decoder layer (`decoder_layer`'s arguments; `compiled`: the
-        compiled layer instead): the last layer's output [B, n, H] and the taps [B, n, len(taps), H] or None."""
+        compiled layers instead, the 4-bit kernel's up to int4_rows rows, the dense copies' beyond): the last layer's output [B, n, H] and the taps [B, n, len(taps), H] or None."""
         last = len(self.layers) - 1
         if not set(taps) <= set(range(-1, last + 1)):
             raise IndexError(f"taps {taps} name layers the model does not have (-1..{last})")
         x = self.embed(ids)
         kept = {-1: x} if -1 in taps else {}  # layer -1: the embeddings (HF's hidden_states[0])
-        compiled_layer = self.compiled_layers[min(len(ids), 2)] if compiled else None  # one sequence, or several
+        compiled_layer = weights = None
+        if compiled and ids.numel() > self.int4_rows:
+            compiled_layer, weights = self.dense_layer, self.dense_weights
+        elif compiled:  # the 4-bit kernel's, traced for one sequence or for several
+            compiled_layer, weights = self.compiled_layers[min(len(ids), 2)], self.compiled_weights
         for i, (layer, (k, v)) in enumerate(zip(self.layers, cache.layer_views(slots))):
             if compiled_layer:
-                x = compiled_layer(x, cos, sin, k, v, cols, mask, *self.compiled_weights[i])
+                x = compiled_layer(x, cos, sin, k, v, cols, mask, *weights[i])
             else:
                 x = decoder_layer(layer, self.shape, x, cos, sin, k, v, end, at, cols, mask)
             if i in taps:  # as HF's hidden_states[i + 1], which for the last layer is after the final norm
