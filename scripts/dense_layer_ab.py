@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    texts = load_prompts(args.dataset, limit=args.limit)
     targets = {rule: Target.load(dtype="bfloat16", compile="on") for rule in ("old", "new")}
     measured = (targets["new"].static.int4_rows, targets["new"].static.compiled_rows)
     use(targets["old"], "old", measured)
@@ -57,7 +58,7 @@ def main() -> None:
             report["verify_ms"].append({"context": context, "rows": rows, **ms})
             print(f"verify {rows:2d} rows after {context}: old {ms['old']:.2f} ms, new {ms['new']:.2f} ms", flush=True)
 
-    prompts = [targets["old"].encode_prompt(text) for text in load_prompts(args.dataset, limit=args.limit)]
+    prompts = [targets["old"].encode_prompt(text) for text in texts]
     ar = make_drafter("ar")
     for batch in args.batch_sizes:
         seconds = {rule: [] for rule in targets}
