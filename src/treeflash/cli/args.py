@@ -121,7 +121,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, sweep: bool = False, weavers:
     compile_default = "off" if paired else "auto"
     p.add_argument("--compile", default=compile_default, choices=["auto", "on", "off"],
                    help="compile the target's decoding layer ahead of time (torch.export, AOTInductor): auto does "
-                   "where that is fast (a 4-bit GGUF target on the CPU, with a C++ compiler; about 15 s at the first "
+                   "where that is fast (a 4-bit GGUF target on the CPU, with a C++ compiler; about 33 s at the first "
                    "start on 2 cores, cached after), on always (on CUDA: the verification forwards as CUDA graphs, "
                    "not yet run on a GPU in the engine), off never (eager: the reference); "
                    f"default {compile_default}")
