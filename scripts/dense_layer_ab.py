@@ -70,8 +70,8 @@ def main() -> None:
                 new = sum(len(r.tokens) for r in results)
         tps = {rule: new / statistics.median(s) for rule, s in seconds.items()}
         report["batched"].append({"batch": batch, "tokens": new, "tokens_per_s": tps})
-        print(f"ar, batches of {batch}: old {tps['old']:.1f} tokens/s, new {tps['new']:.1f} ({tps['new'] / tps['old']:.3f}x)",
-              flush=True)
+        print(f"ar, batches of {batch}: old {tps['old']:.1f} tokens/s, new {tps['new']:.1f} "
+              f"({tps['new'] / tps['old']:.3f}x)", flush=True)
 
     for method in args.methods.split(","):
         drafters = {rule: make_drafter(method, target) for rule, target in targets.items()}  # a policy each

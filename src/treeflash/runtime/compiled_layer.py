@@ -172,7 +172,8 @@ def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, w
     key = (shape, eps, str(dtype), aoti.shapes(weights), sequences, dense, Path(__file__).read_bytes())
     auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
     dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
-            {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}, None, None, (None,) * (len(weights) - 2))  # the norms, products
+            {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}, None, None,
+            (None,) * (len(weights) - 2))  # the two norms, then the products' tensors
     # realize the rotated q|k once: below inductor's default threshold (4 reads) q's rotation was inlined into the
     # scores' reduction and computed again for every attended position (a 2-4 row layer 5-10 % slower at 256
     # positions, 10-15 % at 512)

@@ -18,8 +18,9 @@ What makes it lean, each against what the generic HF path does:
 - only the tapped layers' outputs are kept, and the LM head runs only at the positions asked for;
 - on request (`compile`), forwards of up to DENSE_COMPILED_ROWS rows run each layer compiled ahead of time
   (`compiled_layer.py`: on the int4 kernel for a few rows, on the dense copies from the rows where those are
-  faster on this machine), with `decoder_layer` as the eager reference; on CUDA, verification forwards run as CUDA graphs in fixed shapes
-  (`graphed.py`: token buckets, attention over the cache's capacity under a mask built on the device).
+  faster on this machine), with `decoder_layer` as the eager reference; on CUDA, verification forwards run as CUDA
+  graphs in fixed shapes (`graphed.py`: token buckets, attention over the cache's capacity under a mask built on
+  the device).
 """
 
 from __future__ import annotations
@@ -438,7 +439,8 @@ class StaticDecoder:
                        end: int, at: int | None, cols: torch.Tensor, mask: torch.Tensor | None,
                        taps: tuple[int, ...], compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The embeddings of ids [B, n] through every decoder layer (`decoder_layer`'s arguments; `compiled`: the
-        compiled layers instead, the 4-bit kernel's up to int4_rows rows, the dense copies' beyond): the last layer's output [B, n, H] and the taps [B, n, len(taps), H] or None."""
+        compiled layers instead, the 4-bit kernel's up to int4_rows rows, the dense copies' beyond): the last
+        layer's output [B, n, H] and the taps [B, n, len(taps), H] or None."""
         last = len(self.layers) - 1
         if not set(taps) <= set(range(-1, last + 1)):
             raise IndexError(f"taps {taps} name layers the model does not have (-1..{last})")
