@@ -52,7 +52,7 @@ def verify_ms(target: Target, context: list[int], tree: DraftTree) -> float:
 
 def products_ms(target: Target, n: int) -> float:
     """Every 4-bit product of one forward at n rows (the fused modules the static runtime calls), back to back."""
-    fused = [p.int4 for layer in target.static.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    fused = [p.int4 for layer in target.static.layers for p in layer.projections]
     head = target.static.lm_head.int4
     xs = {m.in_features: torch.randn(n, m.in_features, dtype=target.dtype) for m in fused}
 

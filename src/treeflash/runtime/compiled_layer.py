@@ -38,7 +38,7 @@ def layer_weights(layer, dense: bool = False) -> tuple[torch.Tensor, ...]:
     """A static-decoder layer's tensors in the compiled layer's order (`dense`: its products' packed dense copies
     instead of their 4-bit blocks); ValueError where it has no compiled form: products that are not single 4-bit
     parts (dense, Q8_0's two halves), biases, dense copies missing, or q/k norms (Qwen3)."""
-    projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    projections = layer.projections
     if any(p.int4 is None or len(p.int4.parts) != 1 or p.int4.bias is not None for p in projections):
         raise ValueError("the compiled layer runs single-part 4-bit products without biases (Q4_0, Q4_1, Q4_K)")
     if dense and any(p.packed is None for p in projections):

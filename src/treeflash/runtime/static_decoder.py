@@ -137,6 +137,11 @@ class _Layer:
         self.down = _Projection([mlp.down_proj], dtype)
         self.in_norm, self.post_norm = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
 
+    @property
+    def projections(self) -> tuple[_Projection, ...]:
+        """The layer's four products, in the order it runs them."""
+        return self.qkv, self.o, self.gate_up, self.down
+
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
@@ -328,7 +333,7 @@ class StaticDecoder:
     def _measure_layers(self) -> int:
         """From how many rows the layers' products are faster on their dense copies, up to COMPILED_ROWS + 1
         (`crossover.py`)."""
-        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        projections = [p for layer in self.layers for p in layer.projections]
 
         def products(rows: int):
             inputs = [torch.randn(rows, p.int4.in_features, dtype=self.dtype) for p in projections]
@@ -343,8 +348,7 @@ class StaticDecoder:
         head = self.lm_head
         if head.int4 is None or head.packed is None or not head.dense_rows:
             return
-        products = [p.int4 for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                    if p.int4 is not None]
+        products = [p.int4 for layer in self.layers for p in layer.projections if p.int4 is not None]
         inputs = [torch.randn(1, m.in_features, dtype=self.dtype) for m in products]
 
         def step_before_head():  # the layers' products of a decoding step stream through the caches first
