@@ -192,30 +192,6 @@ def test_a_cold_first_drafting_time_does_not_lock_drafting_out():
     assert policy.draft_s == 0.005 and policy.should_draft()
 
 
-def test_the_ar_round_after_drafting_is_charged_to_drafting():
-    """The AR round that ends a stretch of drafting costs more than an AR step (the drafter's forward evicted the
-    target's weights from the caches): the excess is charged to the credit, not to the AR steps' cost, and a
-    round that would start a stretch must pay for it too; one that continues a stretch pays nothing more."""
-    step = 0.011
-    policy = Policy(costs(1.0), 8)
-    tree = DraftTree.chain(0, [1], probs=[0.9])
-    policy.choose([tree])
-    policy.observe([tree], [[0, 1]], 2, draft_s=0.001, verify_s=0.012, drafted=True)
-    credit, ar_cost = policy.credit, policy.costs(1)
-    policy.observe([DraftTree.chain(0)], [[0]], 1, 0.0, step + 0.003, False)  # right after drafting
-    assert policy.after_s == pytest.approx(0.003)
-    assert policy.costs(1) == ar_cost  # not an AR step's cost
-    assert policy.credit == pytest.approx(credit - 0.003 + Policy.PROBE_SHARE * (step + 0.003))
-    policy.observe([DraftTree.chain(0)], [[0]], 1, 0.0, step, False)  # an AR round after an AR round
-    assert policy.after_s == pytest.approx(0.003)
-    policy.draft_s = 0.001
-    policy.gain = policy.rate * (policy.draft_s + 0.0015)  # pays for the drafting, not for the round after it
-    policy.skipped, policy.credit = 0, 0.0  # in a stretch: drafts on
-    assert policy.should_draft()
-    policy.skipped = 1  # after AR rounds (and no credit for a probe): no
-    assert not policy.should_draft()
-
-
 class FakeClock:
     """Time that moves only by a cost model: a verification of n tokens takes `verify_ms(n)`, a drafting call
     `draft_ms(verifications so far)`. The engine's and the policy's clocks read it, so that no decision of a

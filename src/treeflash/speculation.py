@@ -239,10 +239,6 @@ class Policy:
     # that gets easier doubles the reach every round that chooses all of it, and it decays by REACH_DECAY a round
     MIN_REACH = 4
     REACH_DECAY = 0.75
-    # The AR round right after drafting costs more than an AR step: the drafter's forward left the target's weights
-    # out of the caches (SmolLM2 4-bit on an AMX Xeon, GSM8K T = 0: 1.04-1.10x an AR step after drafting, 1.00-1.01x
-    # after AR, medians at equal positions). A stretch of drafting pays that once, when it ends: `after_s`, an EMA
-    # of the excess, is charged to the credit when it is paid and to the drafting that starts a stretch.
 
     def __init__(self, costs: VerifyCosts | BatchCosts, max_budget: int):
         self.costs = costs if isinstance(costs, BatchCosts) else BatchCosts({1: costs})
@@ -257,7 +253,6 @@ class Policy:
         self.drawdown = 0.0  # seconds the rounds predicted to pay lost since their best point (<= 0; see LOSS_CAP)
         self.step = self.costs(1)  # seconds of a plain AR step (of the last round's batch)
         self.probe_loss: float | None = None  # EMA of the seconds a probe lost against AR steps
-        self.after_s: float | None = None  # EMA of what the AR round after drafting costs above a step (above)
 
     @property
     def rate(self) -> float:
@@ -266,9 +261,7 @@ class Policy:
     def should_draft(self) -> bool:
         if self.gain is None or self.draft_s is None:
             return True
-        # a round that starts a stretch of drafting also pays for the AR round that will end it
-        cost = self.draft_s + (max(self.after_s or 0.0, 0.0) if self.skipped else 0.0)
-        if self.gain > self.rate * cost:  # predicted to pay: drafts while its losses stay under the cap
+        if self.gain > self.rate * self.draft_s:  # predicted to pay: drafts while its losses stay under the cap
             if self.drawdown > -self.LOSS_CAP * self.step:
                 return True
             self.gain, self.drawdown = 0.0, 0.0  # it did not pay: the next drafting round is a probe
@@ -302,12 +295,7 @@ class Policy:
         """One round of the batch: its trees, their accepted paths, the tokens committed in all, its times, the
         context it verified after."""
         batch = len(trees)
-        if not drafted and not self.skipped and self.draft_s is not None:  # the AR round right after drafting
-            excess = draft_s + verify_s - self.costs(1, batch, context)
-            self.after_s = _ema(self.after_s, excess)
-            self.credit -= excess  # the drafting that ended here pays it (not the AR steps' cost table)
-        else:
-            self.costs.observe(max(len(t) for t in trees), verify_s, batch, context)
+        self.costs.observe(max(len(t) for t in trees), verify_s, batch, context)
         for tree, path in zip(trees, paths):
             self.calibration.observe(tree, path)
         self.step = self.costs(1, batch, context)  # refreshed by every AR round
