@@ -2,7 +2,8 @@
 process, interleaved prompt by prompt (same seeds); each AR round (no draft verified) is compared with `ar`'s round
 at the same output position of the same prompt, whose context is as long. Drafting engines skip the drafter in
 most rounds where it does not pay, so their AR stretches sit where drafting fails: comparing means over all AR
-rounds mixes in the context's length.
+rounds mixes in the context's length. The rounds right after a drafting round are also reported apart: the
+drafter's forward leaves the target's weights out of the caches.
 
     .venv/bin/python scripts/ar_round_costs.py --dataset chat-dev --temperature 1 --methods pld,dflash
 """
@@ -18,13 +19,15 @@ from treeflash.eval.datasets import load_prompts
 from treeflash.verify import Sampling
 
 
-def ar_round_ms(result) -> dict[int, float]:
-    """Milliseconds of each AR round, by the output position it starts at."""
-    position, table = 0, {}
+def ar_round_ms(result) -> dict[int, tuple[float, bool]]:
+    """Milliseconds of each AR round, and whether a drafting round came just before it, by the output position
+    it starts at."""
+    position, table, after_drafting = 0, {}, False
     for r in result.rounds:
         if not r.drafted and r.tree_size == 0:
-            table[position] = 1e3 * (r.draft_s + r.verify_s)
+            table[position] = (1e3 * (r.draft_s + r.verify_s), after_drafting)
         position += r.accepted
+        after_drafting = r.drafted
     return table
 
 
@@ -42,19 +45,25 @@ def main() -> None:
     prompts = [target.encode_prompt(text) for text in load_prompts(args.dataset, limit=args.limit)]
     methods = args.methods.split(",")
     engines = {m: make_drafter(m, target) for m in ["ar"] + methods}
-    ratios: dict[str, list[float]] = {m: [] for m in methods}
+    # the cost ratios of each method's AR rounds: all, and those right after an AR round / a drafting round
+    ratios = {(m, kind): [] for m in methods for kind in ("all", "after_ar", "after_drafting")}
     for _ in range(args.repeats):
         for seed, prompt in enumerate(prompts):
             rounds = {m: ar_round_ms(generate(target, drafter, prompt, args.max_new_tokens,
                                               Sampling(temperature=args.temperature), seed=seed))
                       for m, drafter in engines.items()}
             for m in methods:
-                ratios[m] += [ms / rounds["ar"][j] for j, ms in rounds[m].items() if j in rounds["ar"]]
-    report = {m: {"rounds": len(v), "median_ratio": statistics.median(v), "mean_ratio": statistics.mean(v)}
-              for m, v in ratios.items()}
-    for m, r in report.items():
-        print(f"{m}: {r['rounds']} AR rounds at ar's positions, their cost / ar's: median {r['median_ratio']:.4f}, "
-              f"mean {r['mean_ratio']:.4f}")
+                for j, (ms, after_drafting) in rounds[m].items():
+                    if j in rounds["ar"]:
+                        ratio = ms / rounds["ar"][j][0]
+                        ratios[m, "all"].append(ratio)
+                        ratios[m, "after_drafting" if after_drafting else "after_ar"].append(ratio)
+    report = {m: {kind: {"rounds": len(v), "median_ratio": statistics.median(v), "mean_ratio": statistics.mean(v)}
+                  for (method, kind), v in ratios.items() if method == m and v} for m in methods}
+    for m, kinds in report.items():
+        for kind, r in kinds.items():
+            print(f"{m}, {kind.replace('_', ' ')}: {r['rounds']} AR rounds at ar's positions, their cost / ar's: "
+                  f"median {r['median_ratio']:.4f}, mean {r['mean_ratio']:.4f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"dataset": args.dataset, "temperature": args.temperature,
                                               **report}, indent=1) + "\n")
