@@ -23,20 +23,25 @@ def best(f, repeats: int = 10) -> float:
     return min(times)
 
 
-out = {"threads": torch.get_num_threads()}
-for dtype in (torch.bfloat16, torch.float32):
-    name = str(dtype).removeprefix("torch.")
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    out[f"gemm_2048_{name}_GFLOPs"] = 2 * 2048 ** 3 / best(lambda: a @ b) / 1e9
-    weights = [(w, pack(w)) for _ in range(LAYERS) for w in (torch.randn(o, i, dtype=dtype) for o, i in LAYER)]
-    params = sum(w.numel() for w, _ in weights)
-    nbytes = params * weights[0][0].element_size()
-    for rows in (1, 17):
-        inputs = {n_in: torch.randn(rows, n_in, dtype=dtype) for _, n_in in LAYER}
-        seconds = best(lambda: [linear(inputs[w.shape[1]], w, p) for w, p in weights])
-        out[f"layers_{rows}rows_{name}_ms"] = 1e3 * seconds
-        out[f"layers_{rows}rows_{name}_GFLOPs"] = 2 * rows * params / seconds / 1e9
-        out[f"layers_{rows}rows_{name}_weights_GBps"] = nbytes / seconds / 1e9
-big = torch.ones(256 * 1024 * 1024)  # 1 GiB of fp32
-out["read_GBps"] = big.numel() * 4 / best(lambda: big.sum(), 5) / 1e9
-print(json.dumps({k: round(v, 1) for k, v in out.items()}))
+def main() -> None:
+    out = {"threads": torch.get_num_threads()}
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        out[f"gemm_2048_{name}_GFLOPs"] = 2 * 2048 ** 3 / best(lambda: a @ b) / 1e9
+        weights = [(w, pack(w)) for _ in range(LAYERS) for w in (torch.randn(o, i, dtype=dtype) for o, i in LAYER)]
+        params = sum(w.numel() for w, _ in weights)
+        nbytes = params * weights[0][0].element_size()
+        for rows in (1, 17):
+            inputs = {n_in: torch.randn(rows, n_in, dtype=dtype) for _, n_in in LAYER}
+            seconds = best(lambda: [linear(inputs[w.shape[1]], w, p) for w, p in weights])
+            out[f"layers_{rows}rows_{name}_ms"] = 1e3 * seconds
+            out[f"layers_{rows}rows_{name}_GFLOPs"] = 2 * rows * params / seconds / 1e9
+            out[f"layers_{rows}rows_{name}_weights_GBps"] = nbytes / seconds / 1e9
+    big = torch.ones(256 * 1024 * 1024)  # 1 GiB of fp32
+    out["read_GBps"] = big.numel() * 4 / best(lambda: big.sum(), 5) / 1e9
+    print(json.dumps({k: round(v, 1) for k, v in out.items()}))
+
+
+if __name__ == "__main__":
+    main()
