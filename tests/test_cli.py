@@ -43,6 +43,8 @@ def test_bench_writes_the_documented_json(tiny_folder, tmp_path, capsys):
         assert m["matches_ar"] is True and 2 <= m["new_tokens"] <= 24
         lo, hi = m["speedup_vs_ar_interval"]
         assert lo <= m["speedup_vs_ar"] <= hi
+        assert len(m["per_prompt"]) == 2 and sum(n for n, _ in m["per_prompt"]) == m["new_tokens"]
+        assert m["tokens_per_second"] == pytest.approx(m["new_tokens"] / sum(s for _, s in m["per_prompt"]))
     assert report["methods"]["ar"]["tau"] == 1.0 and report["methods"]["ar"]["speedup_vs_ar_interval"] == [1.0, 1.0]
     ar, pld = report["methods"]["ar"], report["methods"]["pld"]
     assert ar["drafting_round_share"] == 0 and ar["draft_ms_per_drafting_round"] == 0  # ar never drafts

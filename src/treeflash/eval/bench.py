@@ -204,6 +204,9 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
             "drafting_round_share": t.drafting_rounds / max(t.rounds, 1),
             "draft_ms_per_drafting_round": 1e3 * t.drafting_draft_s / max(t.drafting_rounds, 1),
             "verify_ms_per_drafting_round": 1e3 * t.drafting_verify_s / max(t.drafting_rounds, 1),
+            # [new tokens, seconds] of each prompt, its repeats added up: what the interval resamples (and where
+            # a stalled prompt shows)
+            "per_prompt": [list(pair) for pair in t.per_prompt],
         }
     for name, why in skipped.items():
         report[name] = {"method": name, "skipped": why}
