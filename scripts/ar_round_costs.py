@@ -61,12 +61,13 @@ def main() -> None:
         methods.append("ar+taps")
     # the cost ratios of each method's AR rounds: all, and those right after an AR round / a drafting round
     ratios = {(m, kind): [] for m in methods for kind in ("all", "after_ar", "after_drafting")}
+    names = list(engines)
     for _ in range(args.repeats):
         for seed, prompt in enumerate(prompts):
-            names = list(engines)[seed % len(engines):] + list(engines)[:seed % len(engines)]  # who goes first
+            turn = seed % len(names)  # who goes first
             rounds = {m: ar_round_ms(generate(target, engines[m], prompt, args.max_new_tokens,
                                               Sampling(temperature=args.temperature), seed=seed))
-                      for m in names}
+                      for m in names[turn:] + names[:turn]}
             for m in methods:
                 for j, (ms, after_drafting) in rounds[m].items():
                     if j in rounds["ar"]:
