@@ -18,7 +18,7 @@ from treeflash import Target, generate
 from treeflash.drafters import make_drafter
 from treeflash.engine import DEFAULT_MAX_BUDGET
 from treeflash.eval.datasets import load_prompts
-from treeflash.speculation import _costs, _policies, policy_for
+from treeflash.speculation import policy_for
 from treeflash.verify import Sampling
 
 
@@ -54,8 +54,7 @@ def main() -> None:
         engines[f"{method}/new"] = make_drafter(method, target)
         engines[f"{method}/old"] = old = make_drafter(method, target)
         policy_for(target, engines[f"{method}/new"], DEFAULT_MAX_BUDGET)  # measures the target's costs once
-        _policies.setdefault(old, {}).setdefault(target, {})[0, DEFAULT_MAX_BUDGET] = OldPolicy(
-            _costs[target][0], DEFAULT_MAX_BUDGET)  # (weak dictionaries: `engines` keeps the keys alive)
+        policy_for(target, old, DEFAULT_MAX_BUDGET, policy_class=OldPolicy)  # the same costs, the old rules
     sampling = Sampling(temperature=args.temperature)
     for name, drafter in engines.items():  # warm-up: lazy initialisation and the first drafting call
         generate(target, drafter, prompts[0], 8, sampling, seed=0)

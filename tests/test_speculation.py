@@ -322,3 +322,21 @@ def test_cost_tables_equal_the_costs_one_by_one():
             else:
                 want, got = [table(n, batch) for n in range(1, 80)], table.table(79, batch)
             assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_policy_for_makes_one_policy_per_drafter_of_the_class_asked():
+    """Made on first use and kept (per drafter, target, batch limit and max budget); the target's costs are
+    measured once and shared; an A/B (scripts/policy_ab.py) passes its own policy class."""
+    class Other(Policy):
+        pass
+
+    class Key:  # weak-referenceable stand-ins for a target and two drafters
+        pass
+
+    from treeflash.speculation import policy_for
+    target, a, b, measured = Key(), Key(), Key(), []
+    measure = lambda: measured.append(1) or costs(1.0)  # noqa: E731
+    first = policy_for(target, a, 8, measure=measure)
+    assert type(first) is Policy and policy_for(target, a, 8, measure=measure) is first
+    other = policy_for(target, b, 8, measure=measure, policy_class=Other)
+    assert type(other) is Other and len(measured) == 1

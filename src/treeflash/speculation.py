@@ -330,14 +330,16 @@ _policies: "weakref.WeakKeyDictionary[object, weakref.WeakKeyDictionary]" = weak
 
 
 def policy_for(target, drafter, max_budget: int, max_batch: int = 0,
-               measure: Callable[[], VerifyCosts | BatchCosts] | None = None) -> Policy:
-    """The policy of this drafter on this target, for one sequence or (`max_batch`) a batch, made on first use.
-    The verification costs are the target's, measured once per batch limit (by `measure`; default: one
-    sequence's) and shared by all its drafters."""
+               measure: Callable[[], VerifyCosts | BatchCosts] | None = None,
+               policy_class: Callable[[VerifyCosts | BatchCosts, int], Policy] | None = None) -> Policy:
+    """The policy of this drafter on this target, for one sequence or (`max_batch`) a batch, made on first use
+    (an instance of `policy_class`, default `Policy`: an A/B passes another). The verification costs are the
+    target's, measured once per batch limit (by `measure`; default: one sequence's) and shared by all its
+    drafters."""
     costs = _costs.setdefault(target, {})
     if max_batch not in costs:
         costs[max_batch] = measure() if measure else VerifyCosts.measure(target, max_budget + 1)
     policies = _policies.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
     if (max_batch, max_budget) not in policies:
-        policies[max_batch, max_budget] = Policy(costs[max_batch], max_budget)
+        policies[max_batch, max_budget] = (policy_class or Policy)(costs[max_batch], max_budget)
     return policies[max_batch, max_budget]
