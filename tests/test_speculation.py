@@ -7,7 +7,7 @@ import pytest
 
 from treeflash import DraftTree, generate
 from treeflash.drafters import block_drafter, make_drafter
-from treeflash.speculation import BatchCosts, Calibration, Policy, VerifyCosts
+from treeflash.speculation import BatchCosts, Calibration, Policy, VerifyCosts, policy_for
 
 from conftest import OracleTreeDrafter, tiny_target
 from test_dflash import tiny_drafter
@@ -333,9 +333,12 @@ def test_policy_for_makes_one_policy_per_drafter_of_the_class_asked():
     class Key:  # weak-referenceable stand-ins for a target and two drafters
         pass
 
-    from treeflash.speculation import policy_for
     target, a, b, measured = Key(), Key(), Key(), []
-    measure = lambda: measured.append(1) or costs(1.0)  # noqa: E731
+
+    def measure() -> VerifyCosts:
+        measured.append(1)
+        return costs(1.0)
+
     first = policy_for(target, a, 8, measure=measure)
     assert type(first) is Policy and policy_for(target, a, 8, measure=measure) is first
     other = policy_for(target, b, 8, measure=measure, policy_class=Other)
