@@ -11,7 +11,7 @@ from treeflash.cli import main
 from treeflash.models.checkpoint import DrafterError
 from treeflash.models.dflash import DFlashDrafter
 from treeflash.eval.datasets import DatasetError
-from treeflash.train.store import Answer, AnswerStore, load_answers, select_sources
+from treeflash.train.store import Answer, AnswerStore, load_answers, repeat_answers, select_sources
 from treeflash.models.blocks import block_mask
 from treeflash.train.dflash import (Sequence, block_lengths, dflash_loss, drafted_positions, sample_anchors,
                                     target_view)
@@ -358,6 +358,21 @@ def test_sources_keep_whole_sources_and_the_first_n_of_capped_ones():
         select_sources(answers, "code_alpaca")
     with pytest.raises(DatasetError, match="positive count"):
         select_sources(answers, "gsm8k:0")
+
+
+def test_repeat_weights_a_source_or_its_answers_at_one_temperature():
+    answers = [Answer(f"{s}/{i}", [1], t, 0) for t in (0.0, 1.0) for s in ("gsm8k", "sharegpt") for i in range(2)]
+    count = lambda kept, source, t: sum(a.source == source and a.temperature == t for a in kept)  # noqa: E731
+    kept = repeat_answers(answers, "sharegpt@0=3, gsm8k=2")
+    assert [count(kept, s, t) for s in ("sharegpt", "gsm8k") for t in (0.0, 1.0)] == [6, 2, 4, 4]
+    assert repeat_answers(answers, "sharegpt@1.0=2,sharegpt=5") == [a for a in answers for _ in range(
+        2 if (a.source, a.temperature) == ("sharegpt", 1.0) else 5 if a.source == "sharegpt" else 1)]
+    assert repeat_answers(answers, None) == answers
+    for bad in ("sharegpt=0", "sharegpt", "sharegpt@x=2", "sharegpt=two"):
+        with pytest.raises(DatasetError, match="SOURCE=N"):
+            repeat_answers(answers, bad)
+    with pytest.raises(DatasetError, match="none of mbpp"):
+        repeat_answers(answers, "mbpp=2")
 
 
 def test_old_jsonl_folders_import_into_a_store(tmp_path):

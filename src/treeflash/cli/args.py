@@ -371,6 +371,8 @@ def build_parser() -> Parser:
                        help=f"answer store written by `treeflash data regen` ({DEFAULT_STORE}), or several, commas")
         t.add_argument("--sources", help="train on these sources' answers only, commas; NAME:N keeps the first N "
                        "of one (e.g. sharegpt,gsm8k:300; default: all)")
+        t.add_argument("--repeat", metavar="SOURCE[@T]=N", help="take these answers N times an epoch, commas: "
+                       "sharegpt=3 all of a source's, sharegpt@0=3 its greedy ones only (default: each once)")
         t.add_argument("--data-dir", help="where the prompt sets are, read back by id "
                        "(../shared/data, or TREEFLASH_DATA)")
         t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, {'weaver' if t is tw else 'drafter'}/ ({out})")

@@ -18,6 +18,7 @@ class TrainRun:
     out: str = ""  # the run folder: checkpoint.pt, log.jsonl and the trained model
     data: str = DEFAULT_STORE  # answer stores written by `treeflash data regen`, comma-separated
     sources: str | None = None  # keep these sources' answers only, e.g. "sharegpt,gsm8k:300" (store.select_sources)
+    repeat: str | None = None  # take these answers N times an epoch, e.g. "sharegpt@0=3" (store.repeat_answers)
     data_dir: str | None = None  # where the prompt sets are (../shared/data, or TREEFLASH_DATA)
     target: str = DEFAULT_TARGET
     target_dtype: str = "auto"

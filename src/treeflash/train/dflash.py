@@ -269,13 +269,13 @@ def training_vocab(job: DFlashRun | TreeFlashRun, drafter: DFlashDrafter, rows: 
 
 
 def training_rows(job: TrainRun, target) -> list[dict]:
-    """The rows of --data (answer stores) from --sources, their prompts read back from --data-dir and encoded by
-    the target."""
+    """The rows of --data (answer stores) from --sources, repeated as --repeat says, their prompts read back from
+    --data-dir and encoded by the target."""
     from ..eval.datasets import default_data_dir
     from .store import load_answers
 
     return load_answers(job.data, target.encode_prompt, Path(job.data_dir) if job.data_dir else default_data_dir(),
-                        job.sources)
+                        job.sources, job.repeat)
 
 
 def mask_token(choice: str | None, target) -> int:

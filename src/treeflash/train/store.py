@@ -214,15 +214,41 @@ def select_sources(answers: list[Answer], spec: str | None) -> list[Answer]:
     return kept
 
 
+def repeat_answers(answers: list[Answer], spec: str | None) -> list[Answer]:
+    """The answers with some of them repeated (commas): `sharegpt=3` takes each of that source's answers three
+    times an epoch, `sharegpt@0=3` its greedy ones only (`@1`: its T = 1 samples). A stage that should lean on a
+    weak domain weights it up without dropping the others' text (None: each answer once)."""
+    if spec is None:
+        return answers
+    times: dict[tuple[str, float | None], int] = {}
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        key, _, count = item.partition("=")
+        name, at, temperature = key.partition("@")
+        try:
+            n, t = int(count), float(temperature) if at else None
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise DatasetError(f"--repeat {item!r}: write SOURCE=N or SOURCE@TEMPERATURE=N with N >= 1, "
+                               "as in sharegpt@0=3")
+        times[name, t] = n
+    held = {a.source for a in answers}
+    if unknown := sorted({name for name, _ in times} - held):
+        raise DatasetError(f"--repeat: the answers chosen hold none of {', '.join(unknown)} "
+                           f"(they hold {', '.join(sorted(held))})")
+    return [a for a in answers for _ in range(times.get((a.source, a.temperature), times.get((a.source, None), 1)))]
+
+
 def load_answers(paths: str | Path, encode: Callable[[str], list[int]], data_dir: Path,
-                 sources: str | None = None) -> list[dict]:
+                 sources: str | None = None, repeat: str | None = None) -> list[dict]:
     """Training rows {id, prompt_ids, response_ids, temperature} of one store or several (commas), of the
-    `sources` chosen (select_sources), in a fixed order: each prompt read back by its id from the prompt sets in
-    `data_dir` and encoded by `encode` (the target's chat template), checked against the checksum its answer was
-    stored with."""
+    `sources` chosen (select_sources) and repeated as `repeat` says (repeat_answers), in a fixed order: each
+    prompt read back by its id from the prompt sets in `data_dir` and encoded by `encode` (the target's chat
+    template), checked against the checksum its answer was stored with."""
     from .data import training_prompts
 
     answers = select_sources([a for store in stores(paths) for a in store.answers()], sources)
+    answers = repeat_answers(answers, repeat)
     texts = dict(training_prompts(data_dir, sorted({a.source for a in answers})))
     encoded: dict[str, list[int]] = {}
     rows, missing, changed = [], [], []
