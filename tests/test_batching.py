@@ -194,6 +194,44 @@ def test_auto_budget_batched_is_lossless(monkeypatch, per_token_ms):
             assert sizes.count(0) > len(sizes) // 2  # mostly AR rounds
 
 
+class Reader:
+    """A drafter with taps that records how many positions' taps each call reads; it drafts nothing."""
+
+    name, drafts = "reader", True
+    forward_s, adapter_calls = 0.0, 0
+
+    def __init__(self, taps: tuple[int, ...]):
+        self.taps, self.calls = taps, []
+
+    def reset(self) -> None:
+        pass
+
+    def follow(self, sampling, generator=None) -> None:
+        pass
+
+    def catch_up(self, tokens, features) -> None:
+        self.calls.append(("catch_up", len(tokens), len(features)))
+
+    def propose(self, tokens, features, budget) -> DraftTree:
+        self.calls.append(("propose", len(tokens), 0 if features is None else len(features)))
+        return DraftTree.chain(tokens[-1])
+
+
+def test_the_drafter_reads_the_prompt_with_the_prefill_not_in_a_round():
+    """A round's time is what cost-aware speculation learns drafting costs from: the prompt's taps are read
+    at prefill, so every round reads only the positions committed since the previous one."""
+    target = tiny_target("llama")
+    prompt = prompts(target.config.vocab_size, 1, seed=7)[0]
+    alone = Reader((0, 1))
+    generate(target, alone, prompt, 4, budget=2)
+    batched = Reader((0, 1))
+    BatchEngine(target, batched, max_batch=2, budget=2).run([prompt], 4)
+    n = len(prompt)
+    expected = [("catch_up", n + 1, n)] + [("propose", n + 1 + i, 0 if i == 0 else 1) for i in range(3)]
+    assert alone.calls == expected
+    assert batched.calls == expected
+
+
 def test_batch_costs_are_measured_per_batch_size():
     target = tiny_target("llama")
     costs_ = treeflash.batching.batch_costs(target, max_batch=3, max_tokens=5)

@@ -190,11 +190,12 @@ class BatchEngine:
         max_new_tokens = min(max_new_tokens, self.target.context_length - len(prompt))
         t0 = now(self.target.device)
         seq = Sequence.start(prompt, self.slots.add(prompt, self.batch.taps), sampling, generator)
+        self.batch.add()
+        self.batch.lanes[-1].follow(sampling, generator)
+        seq.catch_up(self.batch.lanes[-1])
         request = Request(seq, max_new_tokens, sampling, generator,
                           GenerationResult(seq.emitted, prefill_s=now(self.target.device) - t0),
                           on_token, should_stop)
-        self.batch.add()
-        self.batch.lanes[-1].follow(sampling, generator)
         self.requests.append(request)
         if on_token:
             on_token(seq.emitted[0])

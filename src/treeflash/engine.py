@@ -95,6 +95,13 @@ class Sequence:
             chain = path == list(range(len(path)))
             self.chunks.append(hidden[:len(path)] if chain else hidden[upload(torch.tensor(path), hidden.device)])
 
+    def catch_up(self, drafter: Drafter) -> None:
+        """The drafter reads the taps not read yet now (the prompt's, with the prefill), so that no round pays for
+        reading the prompt: cost-aware speculation would take that time for what drafting costs."""
+        if self.chunks:
+            drafter.catch_up(self.tokens, self.features)
+            self.features = None
+
     def extend(self, new: list[int], max_new_tokens: int, eos_ids) -> list[int]:
         """Append a round's new tokens, stopping exactly where sequential decoding would (after an EOS token, or
         at the limit). Returns the tokens kept."""
@@ -269,6 +276,7 @@ def generate(
 
     t0 = _now(target.device)
     seq = Sequence.start(prompt, target.prefill(prompt, taps=drafter.taps), sampling, generator)
+    seq.catch_up(drafter)
     result = GenerationResult(seq.emitted, prefill_s=_now(target.device) - t0)
     if on_token:
         on_token(seq.emitted[0])

@@ -28,6 +28,11 @@ class Drafter(Protocol):
         """Draft for a sequence sampled with `sampling`, drawing any random drafts from `generator` (the
         sequence's). Drafters whose trees are deterministic ignore it."""
 
+    def catch_up(self, tokens: list[int], features: torch.Tensor) -> None:
+        """Read the taps `features` [m, len(taps), H] of the m positions committed since the previous call now
+        rather than at the next `propose` (the engine passes the prompt's at prefill, so that no round pays for
+        reading the prompt). Only drafters with taps are asked."""
+
     def propose(self, tokens: list[int], features: torch.Tensor | None, budget: int) -> DraftTree:
         """A tree of at most `budget` draft nodes below the root `tokens[-1]`.
 

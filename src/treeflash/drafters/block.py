@@ -54,6 +54,9 @@ class BlockDrafter:
         """Append the injected K/V of newly committed positions (features [m, n_taps, H])."""
         observe_all([self], [features])
 
+    def catch_up(self, tokens, features: torch.Tensor) -> None:
+        self.observe(features)
+
     def draft(self, tokens, features, depth: int | None = None) -> torch.Tensor:
         """One drafter forward: pre-norm states [depth, H] of the block after the root tokens[-1] (None: all
         γ - 1)."""

@@ -81,6 +81,8 @@ class Eagle3Decoder:
             out = attend_rows(q, k, v, torch.arange(start + m, device=device)[None, :] <= positions[:, None])
         self.state = self.model.midlayer.finish(state, out)[-1]
 
+    catch_up = observe
+
     @torch.no_grad()
     def propose(self, tokens: list[int], features: torch.Tensor | None, budget: int) -> DraftTree:
         start = now(CPU)
