@@ -354,7 +354,7 @@ def test_sources_keep_whole_sources_and_the_first_n_of_capped_ones():
     assert [(a.id, a.temperature) for a in kept if a.id.startswith("gsm8k")] == [(f"gsm8k/{i}", 0.0) for i in range(3)]
     assert not any(a.id.startswith("mbpp") for a in kept)
     assert select_sources(answers, None) == answers
-    with pytest.raises(DatasetError, match="no answers of code_alpaca"):
+    with pytest.raises(DatasetError, match="--sources: the answers hold none of code_alpaca"):
         select_sources(answers, "code_alpaca")
     with pytest.raises(DatasetError, match="positive count"):
         select_sources(answers, "gsm8k:0")
@@ -371,7 +371,7 @@ def test_repeat_weights_a_source_or_its_answers_at_one_temperature():
     for bad in ("sharegpt=0", "sharegpt", "sharegpt@x=2", "sharegpt=two"):
         with pytest.raises(DatasetError, match="SOURCE=N"):
             repeat_answers(answers, bad)
-    with pytest.raises(DatasetError, match="none of mbpp"):
+    with pytest.raises(DatasetError, match="--repeat: the answers hold none of mbpp"):
         repeat_answers(answers, "mbpp=2")
 
 

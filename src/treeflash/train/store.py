@@ -190,6 +190,14 @@ def stores(paths: str | Path) -> list[AnswerStore]:
     return out
 
 
+def _require_sources(option: str, names, answers: list[Answer]) -> None:
+    """A clear error when `option` names a source that none of the answers comes from."""
+    held = {a.source for a in answers}
+    if unknown := sorted(set(names) - held):
+        raise DatasetError(f"{option}: the answers hold none of {', '.join(unknown)} "
+                           f"(they hold {', '.join(sorted(held))})")
+
+
 def select_sources(answers: list[Answer], spec: str | None) -> list[Answer]:
     """The answers of the sources `spec` names (commas): `sharegpt` keeps all of that source's answers,
     `gsm8k:300` the first 300 in the stores' order (None: every answer). A fine-tune that should lean on one
@@ -202,10 +210,7 @@ def select_sources(answers: list[Answer], spec: str | None) -> list[Answer]:
         if cap and not (cap.isdigit() and int(cap) > 0):
             raise DatasetError(f"--sources {item!r}: a cap is a positive count, as in {name}:300")
         caps[name] = int(cap) if cap else None
-    held = {a.source for a in answers}
-    if unknown := sorted(set(caps) - held):
-        raise DatasetError(f"--sources: the stores hold no answers of {', '.join(unknown)} "
-                           f"(they hold {', '.join(sorted(held))})")
+    _require_sources("--sources", caps, answers)
     kept, seen = [], dict.fromkeys(caps, 0)
     for a in answers:
         if a.source in caps and (caps[a.source] is None or seen[a.source] < caps[a.source]):
@@ -232,10 +237,7 @@ def repeat_answers(answers: list[Answer], spec: str | None) -> list[Answer]:
             raise DatasetError(f"--repeat {item!r}: write SOURCE=N or SOURCE@TEMPERATURE=N with N >= 1, "
                                "as in sharegpt@0=3")
         times[name, t] = n
-    held = {a.source for a in answers}
-    if unknown := sorted({name for name, _ in times} - held):
-        raise DatasetError(f"--repeat: the answers chosen hold none of {', '.join(unknown)} "
-                           f"(they hold {', '.join(sorted(held))})")
+    _require_sources("--repeat", {name for name, _ in times}, answers)
     return [a for a in answers for _ in range(times.get((a.source, a.temperature), times.get((a.source, None), 1)))]
 
 
