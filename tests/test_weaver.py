@@ -204,6 +204,7 @@ def test_a_few_weaver_steps_learn_and_the_backbone_stays():
         optim.step()
         first = first or stats["loss"]
     assert stats["loss"] < 0.7 * first and stats["acc"] > stats["acc_dflash"]
+    assert stats["acc_depth1"] >= stats["acc_dflash_depth1"] and 0 <= stats["acc_dflash_depth1"] <= 1
     for k, v in drafter.state_dict().items():
         torch.testing.assert_close(v, frozen[k], atol=0, rtol=0)
 

@@ -66,8 +66,12 @@ def weaver_loss(model: torch.nn.Module, drafter: DFlashDrafter, seq: Sequence, v
     loss = (weights * kl).sum() / weights.sum()
     truth = target_logp.argmax(-1)
     hit = (cand.gather(-1, logits.argmax(-1, keepdim=True))[:, 0] == truth).float()
+    hit_dflash = (cand[:, 0] == truth).float()
+    # depth 1 apart: the root's call, where the Weaver knows the root token but no drafted parent
+    depth1 = (torch.arange(predicted.shape[1], device=device) == 0).expand_as(predicted)[valid]
     return loss, {"loss": loss.item(), "kl": kl.mean().item(), "acc": hit.mean().item(),
-                  "acc_dflash": (cand[:, 0] == truth).float().mean().item(),
+                  "acc_dflash": hit_dflash.mean().item(), "acc_depth1": hit[depth1].mean().item(),
+                  "acc_dflash_depth1": hit_dflash[depth1].mean().item(),
                   "in_candidates": (cand == truth[:, None]).any(-1).float().mean().item(),
                   "tokens": int(valid.sum())}
 
