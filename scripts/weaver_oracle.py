@@ -7,7 +7,7 @@ that `ddtree` drives (`treeflash paired`'s method: E[accepted] of every tree on 
 - `root=marginal`: the root's children by the drafter's depth-1 marginal, every deeper call by the target: what
   conditioning on the realised parents alone can add (a Weaver's root call knows no more than the drafter);
 - `oracle w=1`: best-first one node at a time on the true conditionals: the best tree of B nodes that a drafter
-  restricted to the marginal's top-K candidates can build for a soft (T = 1) target (B verifies a round: slow).
+  restricted to the marginal's top-K candidates can build for a soft (T = 1) target (B - 1 verifies a round: slow).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/weaver_oracle.py --dataset chat-dev --out F.json
 """

@@ -190,7 +190,7 @@ def stores(paths: str | Path) -> list[AnswerStore]:
     return out
 
 
-def _require_sources(option: str, names, answers: list[Answer]) -> None:
+def _require_sources(option: str, names: Iterable[str], answers: list[Answer]) -> None:
     """A clear error when `option` names a source that none of the answers comes from."""
     held = {a.source for a in answers}
     if unknown := sorted(set(names) - held):
