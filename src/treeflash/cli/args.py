@@ -351,6 +351,10 @@ def build_parser() -> Parser:
                        "data (torchrun for DDP)")
     te.add_argument("--init", help="a trained EAGLE-3 drafter folder to go on training (its sizes are kept)")
     te.add_argument("--ttt-steps", type=_positive_int, help="training-time-test steps, each weighted 0.8^j (7)")
+    ta = tr.add_parser("average", help="average drafter checkpoints of one model (e.g. consecutive training stages) "
+                       "into one: the element-wise mean of their weights")
+    ta.add_argument("folders", nargs="+", metavar="FOLDER", help="two drafter folders or more, the same model")
+    ta.add_argument("--out", required=True, help="the folder to write")
     for t in (td, tq, tt):
         t.add_argument("--grad-checkpoint", action="store_true", help="recompute the drafter's layers in the "
                        "backward pass instead of keeping their activations (less memory, one more forward)")
