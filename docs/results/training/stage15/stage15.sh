@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Stage 15 of issue #30: the shipped stage-14 backbone (the mean of stages 12 and 13) trained 500 more steps, chat's
+# and Code Alpaca's greedy answers weighted up once more (chat-dev and HumanEval are the domains short of their
+# targets); then two candidates, the trained backbone and its mean with stage 14's, each evaluated against the
+# shipped drafters. Rerun to resume: training resumes from its last save, or is skipped once its backbone is kept
+# in data/stages (commit that folder: it cost CPU hours); an evaluation whose report exists is skipped.
+#
+#   nohup bash docs/results/training/stage15/stage15.sh > runs/s15/stage15.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/../../../.."
+R=runs/s15 TF=.venv/bin/treeflash S=data/stages/smollm2-135m-instruct
+SHIPPED=src/treeflash/checkpoints/smollm2-135m-instruct
+REPEAT=sharegpt@0=4,gsm8k@0=2,code_alpaca@0=3,mbpp@0=2
+mkdir -p $R/eval
+../shared/tools/machine-facts.sh > $R/machine.txt
+
+B=${S}-dflash-stage15
+if [ ! -d $B ]; then
+    $TF train dflash --init ${SHIPPED}-dflash --out $R/dflash --steps 500 --lr 1.5e-4 --seed 15 --batch-size 4 \
+        --max-len 512 --save-every 25 --keep-every 250 --log-every 10 --short-blocks 0.5 --threads 2 --repeat $REPEAT
+    cp -r $R/dflash/drafter $B.tmp && mv $B.tmp $B
+fi
+$TF train average ${SHIPPED}-dflash $B --out $R/mean/drafter
+
+for d in chat-dev gsm8k humaneval mbpp; do
+    echo "$R/eval/new-$d.json --dataset $d --methods dflash,ddtree --drafter $B"
+    echo "$R/eval/mean-$d.json --dataset $d --methods dflash,ddtree --drafter $R/mean/drafter"
+done | bash scripts/paired_jobs.sh 2 16,4
+echo "stage 15's backbones done: compare eval/new-D.json and eval/mean-D.json with ../stage14/eval/new-D.json"
