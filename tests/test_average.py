@@ -27,7 +27,9 @@ def saved(target, folder, seed):
 
 def test_average_is_the_mean_and_loads(target, tmp_path):
     a, b = saved(target, tmp_path / "a", 0), saved(target, tmp_path / "b", 1)
+    (a / "README.md").write_text("a model card, as a shipped drafter has: not part of the model\n")
     main(["train", "average", str(a), str(b), "--out", str(tmp_path / "mean")])
+    assert not (tmp_path / "mean" / "README.md").exists()
     wa, wb, mean = read_weights(a), read_weights(b), read_weights(tmp_path / "mean")
     assert mean.keys() == wa.keys()
     for key, value in mean.items():
@@ -42,6 +44,8 @@ def test_average_of_one_model_only(target, tmp_path):
     a, b = saved(target, tmp_path / "a", 0), saved(target, tmp_path / "b", 1)
     with pytest.raises(DrafterError, match="two checkpoints"):
         average_checkpoints([a], tmp_path / "out")
+    with pytest.raises(DrafterError, match="one of the checkpoints"):
+        average_checkpoints([a, b], a)
     (b / "token_ranking.json").write_text(json.dumps({"ranking": [1, 2, 3]}))  # other FR-Spec rows
     with pytest.raises(DrafterError, match="token_ranking.json differs"):
         average_checkpoints([a, b], tmp_path / "out")

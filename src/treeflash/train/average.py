@@ -2,8 +2,8 @@
 
 Consecutive stages of one drafter lie in one basin of the loss; their mean sits nearer its centre and often scores
 above each of them (stochastic weight averaging, Izmailov et al. 2018; LAWA, Kaddour et al. 2022). The folders must
-be the same model: the same tensors, and every other file (config.json, the FR-Spec ranking) byte-identical, which
-also keeps the averaged drafter's rows those of the folders."""
+be the same model: the same tensors, and every other file but a model card (config.json, the FR-Spec ranking)
+byte-identical, which also keeps the averaged drafter's rows those of the folders."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ def average_checkpoints(folders: list[str | Path], out: str | Path) -> dict:
     folders = [Path(f) for f in folders]
     if len(folders) < 2:
         raise DrafterError("averaging needs two checkpoints or more")
+    if Path(out).resolve() in {f.resolve() for f in folders}:
+        raise DrafterError(f"--out {out} is one of the checkpoints averaged: write the mean elsewhere")
     first, *rest = folders
-    others = sorted(p.name for p in first.iterdir() if p.is_file() and p.suffix != ".safetensors")
+    # the files that define the model besides its weights (config, FR-Spec ranking); a model card does not
+    others = sorted(p.name for p in first.iterdir() if p.is_file() and p.suffix not in (".safetensors", ".md"))
     states = [read_weights(f) for f in folders]
     for folder, state in zip(rest, states[1:]):
         if state.keys() != states[0].keys():
