@@ -15,13 +15,14 @@ def cmd_export(args) -> None:
 def cmd_train(args) -> None:
     from dataclasses import fields
 
-    from ..train import dflash, dflash2, eagle3, weaver
-    from ..train.average import average_checkpoints
-    from ..train.config import RUNS
+    if args.train_command == "average":  # no training: the trainers need not be imported
+        from ..train.average import average_checkpoints
 
-    if args.train_command == "average":
         print(json.dumps(average_checkpoints(args.folders, args.out)))
         return
+    from ..train import dflash, dflash2, eagle3, weaver
+    from ..train.config import RUNS
+
     kind = RUNS[args.train_command]
     run = kind(**{f.name: getattr(args, f.name) for f in fields(kind)})
     trainer = {"weaver": weaver, "dflash2": dflash2, "eagle3": eagle3}.get(run.kind, dflash)
