@@ -40,6 +40,20 @@ def test_average_is_the_mean_and_loads(target, tmp_path):
     DFlashDrafter.from_pretrained(tmp_path / "mean")  # a drafter like its parts
 
 
+def test_weighted_average(target, tmp_path):
+    a, b = saved(target, tmp_path / "a", 0), saved(target, tmp_path / "b", 1)
+    main(["train", "average", str(a), str(b), "--out", str(tmp_path / "mean"), "--weights", "1,3"])
+    wa, wb, mean = read_weights(a), read_weights(b), read_weights(tmp_path / "mean")
+    for key, value in mean.items():
+        expected = (0.25 * wa[key].float() + 0.75 * wb[key].float()).to(value.dtype)
+        assert torch.equal(value, expected), key
+    average_checkpoints([a, b], tmp_path / "b-only", weights=[0, 1])
+    assert all(torch.equal(v, wb[k]) for k, v in read_weights(tmp_path / "b-only").items())
+    for bad in ([1], [1, -1], [0, 0]):
+        with pytest.raises(DrafterError, match="one weight"):
+            average_checkpoints([a, b], tmp_path / "out", weights=bad)
+
+
 def test_average_of_one_model_only(target, tmp_path):
     a, b = saved(target, tmp_path / "a", 0), saved(target, tmp_path / "b", 1)
     with pytest.raises(DrafterError, match="two checkpoints"):

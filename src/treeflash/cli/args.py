@@ -355,6 +355,8 @@ def build_parser() -> Parser:
                        "into one: the element-wise mean of their weights")
     ta.add_argument("folders", nargs="+", metavar="FOLDER", help="two drafter folders or more, the same model")
     ta.add_argument("--out", required=True, help="the folder to write")
+    ta.add_argument("--weights", type=lambda v: [float(w) for w in v.split(",")], metavar="W1,W2,...",
+                    help="one weight per folder, normalised to sum 1 (default: equal), e.g. 1,2 towards the second")
     for t in (td, tq, tt):
         t.add_argument("--grad-checkpoint", action="store_true", help="recompute the drafter's layers in the "
                        "backward pass instead of keeping their activations (less memory, one more forward)")

@@ -18,7 +18,7 @@ def cmd_train(args) -> None:
     if args.train_command == "average":  # no training: the trainers need not be imported
         from ..train.average import average_checkpoints
 
-        print(json.dumps(average_checkpoints(args.folders, args.out)))
+        print(json.dumps(average_checkpoints(args.folders, args.out, args.weights)))
         return
     from ..train import dflash, dflash2, eagle3, weaver
     from ..train.config import RUNS

@@ -16,11 +16,17 @@ from safetensors.torch import save_file
 from ..models.checkpoint import DrafterError, read_weights
 
 
-def average_checkpoints(folders: list[str | Path], out: str | Path) -> dict:
-    """Write the mean of `folders`' weights (computed in fp32, saved in their dtype) with their other files to `out`."""
+def average_checkpoints(folders: list[str | Path], out: str | Path, weights: list[float] | None = None) -> dict:
+    """Write the mean of `folders`' weights (computed in fp32, saved in their dtype) with their other files to `out`.
+
+    `weights` (one per folder, normalised to sum 1) weights the mean, e.g. towards the later of two stages."""
     folders = [Path(f) for f in folders]
     if len(folders) < 2:
         raise DrafterError("averaging needs two checkpoints or more")
+    weights = [1.0] * len(folders) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(folders) or min(weights) < 0 or sum(weights) <= 0:
+        raise DrafterError(f"--weights needs one weight ≥ 0 per checkpoint ({len(folders)}), not all zero")
+    shares = torch.tensor(weights, dtype=torch.float64) / sum(weights)
     if Path(out).resolve() in {f.resolve() for f in folders}:
         raise DrafterError(f"--out {out} is one of the checkpoints averaged: write the mean elsewhere")
     first, *rest = folders
@@ -39,7 +45,8 @@ def average_checkpoints(folders: list[str | Path], out: str | Path) -> dict:
         if any(v.shape != tensor.shape or v.dtype != tensor.dtype for v in values):
             raise DrafterError(f"tensor {key} differs in shape or dtype between the checkpoints")
         if tensor.is_floating_point():
-            mean[key] = torch.stack([v.float() for v in values]).mean(0).to(tensor.dtype)
+            stacked = torch.stack([v.float() for v in values])
+            mean[key] = torch.tensordot(shares.float(), stacked, dims=1).to(tensor.dtype)
         elif all(torch.equal(v, tensor) for v in values):  # e.g. an index map: equal, or it cannot be averaged
             mean[key] = tensor
         else:
@@ -49,4 +56,4 @@ def average_checkpoints(folders: list[str | Path], out: str | Path) -> dict:
     save_file(mean, str(out / "model.safetensors"), metadata={"format": "pt"})  # as save_checkpoint writes it
     for name in others:
         shutil.copyfile(first / name, out / name)
-    return {"out": str(out), "averaged": [str(f) for f in folders], "tensors": len(mean)}
+    return {"out": str(out), "averaged": [str(f) for f in folders], "weights": shares.tolist(), "tensors": len(mean)}

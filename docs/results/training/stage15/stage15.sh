@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Stage 15 of issue #30: the shipped stage-14 backbone (the mean of stages 12 and 13) trained 500 more steps, chat's
 # and Code Alpaca's greedy answers weighted up once more (chat-dev and HumanEval are the domains short of their
-# targets); then two candidates, the trained backbone and its mean with stage 14's, each evaluated against the
-# shipped drafters. Rerun to resume: training resumes from its last save, or is skipped once its backbone is kept
+# targets); then three candidates, the trained backbone, its mean with stage 14's and a mean weighted 2:1 towards
+# it, each evaluated against the shipped drafters; then the adapters on the best of them (the weighted mean: it
+# loses one cell of 16, the others two or more), from the shipped adapters (scripts/stage_adapters.sh). Rerun to resume: training resumes from its last save, or is skipped once its backbone is kept
 # in data/stages (commit that folder: it cost CPU hours); an evaluation whose report exists is skipped.
 #
 #   nohup bash docs/results/training/stage15/stage15.sh > runs/s15/stage15.log 2>&1 &
@@ -21,9 +22,14 @@ if [ ! -d $B ]; then
     cp -r $R/dflash/drafter $B.tmp && mv $B.tmp $B
 fi
 $TF train average ${SHIPPED}-dflash $B --out $R/mean/drafter
+$TF train average ${SHIPPED}-dflash $B --weights 1,2 --out $R/w12/drafter
 
 for d in chat-dev gsm8k humaneval mbpp; do
     echo "$R/eval/new-$d.json --dataset $d --methods dflash,ddtree --drafter $B"
     echo "$R/eval/mean-$d.json --dataset $d --methods dflash,ddtree --drafter $R/mean/drafter"
+    echo "$R/eval/w12-$d.json --dataset $d --methods dflash,ddtree --drafter $R/w12/drafter"
 done | bash scripts/paired_jobs.sh 2 16,4
-echo "stage 15's backbones done: compare eval/new-D.json and eval/mean-D.json with ../stage14/eval/new-D.json"
+echo "stage 15's backbones done: compare eval/{new,mean,w12}-D.json with ../stage14/eval/new-D.json"
+
+bash scripts/stage_adapters.sh $R/w12/drafter $R $REPEAT 16 19
+echo "stage 15 done: compare eval/new-D-{treeflash,tfm}.json with ../stage14/eval/new-D-{treeflash,tfm}.json"
