@@ -189,8 +189,9 @@ def build_parser() -> Parser:
                        ("paired", "compare tree builders on one shared continuation (driven by the first "
                                   "variant): E[tau] of every variant's tree at every round, no speed")):
         b = sub.add_parser(name, help=text)
-        b.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits), chat-dev (the ShareGPT "
-                       "prompts held out from training, read from $TREEFLASH_DATA or ../shared/data) or a .jsonl file")
+        b.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, mbpp (test splits), chat-dev (the "
+                       "ShareGPT prompts held out from training, read from $TREEFLASH_DATA or ../shared/data) or a "
+                       ".jsonl file")
         b.add_argument("--field", default=None, help="prompt field of a .jsonl file "
                        "(default: the first of prompt, question, problem, text, turns)")
         b.add_argument("--limit", type=_positive_int, default=10, help="number of prompts (10)")
@@ -313,8 +314,8 @@ def build_parser() -> Parser:
         t.add_argument("--intermediate-size", type=_positive_int, help="MLP width (the target's)")
         t.add_argument("--block-size", type=_positive_int)
         t.add_argument("--mask-token", metavar="ID|TOKEN",
-                       help="the token that fills the drafted positions of a block: an id or the token's text (default: "
-                       "the tokenizer's mask token, else a spare special token; SmolLM2: <empty_output>, 16)")
+                       help="the token that fills the drafted positions of a block: an id or the token's text "
+                       "(default: the tokenizer's mask token, else a spare special token; SmolLM2: <empty_output>, 16)")
     td.add_argument("--init-layers", choices=["random", "target"],
                     help="a fresh drafter's layers: random (default), or copies of the target's last layers with the "
                     "deepest tap as context")
@@ -364,9 +365,9 @@ def build_parser() -> Parser:
         t.add_argument("--kl-topk", type=int, help="sparse forward KL over the target's top-k (0: full)")
     for t in (td, tt, tw):
         t.add_argument("--short-blocks", type=float, metavar="SHARE",
-                       help="cut this share of the blocks to a random length (2..γ-1), so that the drafter drafts from "
-                       "a block of B + 1 positions for a tree B deep, the cheap round of a CPU (default: 0.5 for a "
-                       "drafter trained so, else 0)")
+                       help="cut this share of the blocks to a random length (2..γ-1), so that the drafter drafts "
+                       "from a block of B + 1 positions for a tree B deep, the cheap round of a CPU (default: 0.5 for "
+                       "a drafter trained so, else 0)")
     for t in (td, tt, te):
         t.add_argument("--draft-vocab", type=int, metavar="N",
                        help="train on the N tokens most frequent in the answers, the FR-Spec rows the drafter scores "
@@ -381,7 +382,8 @@ def build_parser() -> Parser:
                        "sharegpt=3 all of a source's, sharegpt@0=3 its greedy ones only (default: each once)")
         t.add_argument("--data-dir", help="where the prompt sets are, read back by id "
                        "(../shared/data, or TREEFLASH_DATA)")
-        t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, {'weaver' if t is tw else 'drafter'}/ ({out})")
+        folder = "weaver" if t is tw else "drafter"
+        t.add_argument("--out", default=out, help=f"run folder: checkpoint.pt, log.jsonl, {folder}/ ({out})")
         t.add_argument("--target")
         t.add_argument("--target-dtype", choices=["auto", "float32", "bfloat16"],
                        help="the target's weights (auto: bf16 where the hardware multiplies it natively, else fp32)")

@@ -237,7 +237,8 @@ def _batch_bench(args, target, prompts, sampling) -> None:
                   "batch_sizes": args.batch_size, "budgets": args.budget, "max_budget": args.max_budget,
                   "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                   "max_new_tokens": args.max_new_tokens, "dtype": dtype, "weights": _weights(target),
-                  "repeats": args.repeats, "threads": torch.get_num_threads(), "seconds": time.time() - started, "variants": rows}
+                  "repeats": args.repeats, "threads": torch.get_num_threads(), "seconds": time.time() - started,
+                  "variants": rows}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 

@@ -76,7 +76,8 @@ def paired_drafters(target: Target, methods: list[str], budgets: list[int], tfm_
 
 def format_paired(report: dict) -> str:
     names = list(report["methods"])
-    lines = [f"{'variant':<16} {'E[tau]':>7} {'/ ' + names[0]:>16}", "-" * 41]
+    width = max(16, *map(len, names))  # oracle variants' names are long
+    lines = [f"{'variant':<{width}} {'E[tau]':>7} {'/ ' + names[0]:>16}", "-" * (width + 25)]
     for name, m in report["methods"].items():
-        lines.append(f"{name:<16} {m['expected_tau']:>7.3f} {m['ratio_to_first']:>15.3f}x")
+        lines.append(f"{name:<{width}} {m['expected_tau']:>7.3f} {m['ratio_to_first']:>15.3f}x")
     return "\n".join(lines)
