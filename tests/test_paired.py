@@ -48,3 +48,6 @@ def test_the_driver_decodes_as_generate(tiny, sampling):
     assert methods["oracle"]["expected_tau"] == pytest.approx(expected)
     assert methods["oracle"]["ratio_to_first"] == 1.0
     assert methods["ar"]["expected_tau"] == 1.0  # a root-only tree commits the bonus token only
+    assert report["prompt_rounds"] == [len(r.rounds) for r in alone]  # the per-prompt sums a bootstrap resamples
+    assert methods["oracle"]["prompt_totals"] == pytest.approx([sum(x.expected for x in r.rounds) for r in alone])
+    assert methods["ar"]["prompt_totals"] == report["prompt_rounds"]

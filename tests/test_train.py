@@ -624,6 +624,38 @@ def test_a_stage_is_judged_on_one_report_per_method(tmp_path):
     assert "in two new-gsm8k reports" in judge("tfm@16").stderr
 
 
+def test_a_stage_is_judged_by_domain(tmp_path):
+    """ship_if_better --domains: a domain is won when its cells' geometric mean ratio is above 1 and no cell is
+    significantly worse (a bootstrap over the prompts' sums); it needs those sums."""
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "ship_if_better.py"
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    shipped = [15.0, 25.0, 12.0, 30.0, 18.0, 22.0, 16.0, 28.0, 20.0, 14.0]  # per prompt, 10 rounds each
+
+    def report(name, sums: dict):
+        methods = {m: {"expected_tau": sum(t) / 100, "prompt_totals": t} for m, t in sums.items()}
+        (eval_dir / name).write_text(json.dumps({"prompt_rounds": [10] * 10, "methods": methods}))
+
+    def judge(b_factors):
+        for domain in ("chat-dev", "gsm8k", "humaneval", "mbpp"):
+            report(f"shipped-{domain}.json", {"a": shipped, "b": shipped})
+            report(f"new-{domain}.json", {"a": [t * 1.05 for t in shipped],
+                                          "b": [t * f for t, f in zip(shipped, b_factors)]})
+        return subprocess.run([sys.executable, str(script), "--domains", str(tmp_path), "a,b"],
+                              capture_output=True, text=True)
+
+    noisy = judge([1.03, 0.97] * 5)  # b loses 0.6 % in every domain: within its noise, and a's gain outweighs it
+    assert noisy.returncode == 0, noisy.stdout + noisy.stderr
+    assert "| gsm8k | 2.000 | 2.100 | 1.050x (1.050-1.050) | 2.000 | 1.989 | 0.994x (" in noisy.stdout
+    assert judge([0.98] * 10).returncode == 1  # b 2 % worse on every prompt: significant, though the mean is up
+    report("new-mbpp.json", {"a": shipped, "b": shipped})  # no gain on mbpp: its geometric mean is 1
+    (eval_dir / "new-mbpp.json").write_text(json.dumps({"methods": {m: {"expected_tau": 2.2} for m in "ab"}}))
+    assert "per-prompt sums" in subprocess.run([sys.executable, str(script), "--domains", str(tmp_path), "a,b"],
+                                               capture_output=True, text=True).stderr
+
+
 def test_batch_rule_for_many_processes():
     from treeflash.train.trainer import DEFAULT_BATCH_SIZE, batch_size_for
 

@@ -31,7 +31,10 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
         raise ValueError("paired variants must tap the same target layers (one drafter backbone)")
     taps = taps.pop() if taps else ()
     totals, rounds, outputs, verifier = dict.fromkeys(names, 0.0), 0, [], OneSequence(target)
+    # per prompt, each variant's summed E[accepted] and the rounds: what a bootstrap over prompts resamples
+    prompt_totals, prompt_rounds = {n: [] for n in names}, []
     for i, prompt in enumerate(tqdm(prompts, desc="paired", unit="prompt", disable=not progress, leave=False)):
+        before = dict(totals), rounds
         generator = torch.Generator(device=target.device).manual_seed(seed + i)
         for drafter, _ in drafters.values():
             drafter.reset()
@@ -49,10 +52,13 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
             totals[names[0]] += outcome.record(0, kept).expected  # as `generate` counts τ
             rounds += 1
         outputs.append(seq.emitted)
+        prompt_rounds.append(rounds - before[1])
+        for n in names:
+            prompt_totals[n].append(totals[n] - before[0][n])
     base = totals[names[0]]
-    return {"rounds": rounds, "outputs": outputs,
-            "methods": {n: {"expected_tau": totals[n] / max(rounds, 1), "ratio_to_first": totals[n] / base}
-                        for n in names}}
+    return {"rounds": rounds, "outputs": outputs, "prompt_rounds": prompt_rounds,
+            "methods": {n: {"expected_tau": totals[n] / max(rounds, 1), "ratio_to_first": totals[n] / base,
+                            "prompt_totals": prompt_totals[n]} for n in names}}
 
 
 def paired_drafters(target: Target, methods: list[str], budgets: list[int], tfm_widths: list[int],

@@ -32,4 +32,19 @@ done | bash scripts/paired_jobs.sh 2 16,4
 echo "stage 15's backbones done: compare eval/{new,mean,w12}-D.json with ../stage14/eval/new-D.json"
 
 bash scripts/stage_adapters.sh $R/w12/drafter $R $REPEAT 16 19
-echo "stage 15 done: compare eval/new-D-{treeflash,tfm}.json with ../stage14/eval/new-D-{treeflash,tfm}.json"
+echo "stage 15's adapters done: compare eval/new-D-{treeflash,tfm}.json with ../stage14/eval/new-D-{treeflash,tfm}.json"
+
+# The verdict's evaluations again, now with each prompt's sums (for scripts/ship_if_better.py's bootstrap), into
+# $R/cmp/eval in its layout: stage 15's drafters (new-*) against the shipped stage-14 ones (shipped-*; run this
+# before stage 15 is shipped). At T = 0 each report's E[tau] equals the earlier one's.
+C=$R/cmp/eval
+mkdir -p $C
+for d in chat-dev gsm8k humaneval mbpp; do
+    echo "$C/shipped-$d.json --dataset $d --methods dflash,ddtree --drafter ${SHIPPED}-dflash"
+    echo "$C/new-$d.json --dataset $d --methods dflash,ddtree --drafter $R/w12/drafter"
+    echo "$C/shipped-$d-treeflash.json --dataset $d --methods treeflash --drafter ${SHIPPED}-treeflash"
+    echo "$C/new-$d-treeflash.json --dataset $d --methods treeflash --drafter $R/treeflash/drafter"
+    echo "$C/shipped-$d-tfm.json --dataset $d --methods tfm --drafter ${SHIPPED}-dflash --weaver ${SHIPPED}-weaver"
+    echo "$C/new-$d-tfm.json --dataset $d --methods tfm --drafter $R/w12/drafter --weaver $R/weaver/weaver"
+done | bash scripts/paired_jobs.sh 2 16,4
+echo "stage 15 done: python scripts/ship_if_better.py $R/cmp METHODS"
