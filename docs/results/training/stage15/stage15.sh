@@ -7,6 +7,9 @@
 # in data/stages (commit that folder: it cost CPU hours); an evaluation whose report exists is skipped.
 #
 #   nohup bash docs/results/training/stage15/stage15.sh > runs/s15/stage15.log 2>&1 &
+#
+# It reads the shipped stage-14 drafters and the kept stage-15 backbone: since stage 15 shipped, rerun it at commit
+# 03bb6ec (e.g. in `git worktree add ../s15 03bb6ec`), where both are as it found them.
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 R=runs/s15 TF=.venv/bin/treeflash S=data/stages/smollm2-135m-instruct
