@@ -34,7 +34,7 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
     # per prompt, each variant's summed E[accepted] and the rounds: what a bootstrap over prompts resamples
     prompt_totals, prompt_rounds = {n: [] for n in names}, []
     for i, prompt in enumerate(tqdm(prompts, desc="paired", unit="prompt", disable=not progress, leave=False)):
-        before = dict(totals), rounds
+        start_totals, start_rounds = dict(totals), rounds
         generator = torch.Generator(device=target.device).manual_seed(seed + i)
         for drafter, _ in drafters.values():
             drafter.reset()
@@ -52,9 +52,9 @@ def run_paired(target: Target, prompts: list[list[int]], drafters: dict[str, tup
             totals[names[0]] += outcome.record(0, kept).expected  # as `generate` counts τ
             rounds += 1
         outputs.append(seq.emitted)
-        prompt_rounds.append(rounds - before[1])
+        prompt_rounds.append(rounds - start_rounds)
         for n in names:
-            prompt_totals[n].append(totals[n] - before[0][n])
+            prompt_totals[n].append(totals[n] - start_totals[n])
     base = totals[names[0]]
     return {"rounds": rounds, "outputs": outputs, "prompt_rounds": prompt_rounds,
             "methods": {n: {"expected_tau": totals[n] / max(rounds, 1), "ratio_to_first": totals[n] / base,
