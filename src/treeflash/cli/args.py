@@ -63,6 +63,10 @@ def _positive_ints(text: str) -> list[int]:
     return [_positive_int(x) for x in text.split(",") if x.strip()] or [_positive_int(text)]
 
 
+def _non_negative_floats(text: str) -> list[float]:
+    return [_non_negative_float(x) for x in text.split(",")]
+
+
 def _paths(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -356,7 +360,7 @@ def build_parser() -> Parser:
                        "into one: the element-wise mean of their weights")
     ta.add_argument("folders", nargs="+", metavar="FOLDER", help="two drafter folders or more, the same model")
     ta.add_argument("--out", required=True, help="the folder to write")
-    ta.add_argument("--weights", type=lambda v: [float(w) for w in v.split(",")], metavar="W1,W2,...",
+    ta.add_argument("--weights", type=_non_negative_floats, metavar="W1,W2,...",
                     help="one weight per folder, normalised to sum 1 (default: equal), e.g. 1,2 towards the second")
     for t in (td, tq, tt):
         t.add_argument("--grad-checkpoint", action="store_true", help="recompute the drafter's layers in the "

@@ -3,8 +3,9 @@
 # and Code Alpaca's greedy answers weighted up once more (chat-dev and HumanEval are the domains short of their
 # targets); then three candidates, the trained backbone, its mean with stage 14's and a mean weighted 2:1 towards
 # it, each evaluated against the shipped drafters; then the adapters on the best of them (the weighted mean: it
-# loses one cell of 16, the others two or more), from the shipped adapters (scripts/stage_adapters.sh). Rerun to resume: training resumes from its last save, or is skipped once its backbone is kept
-# in data/stages (commit that folder: it cost CPU hours); an evaluation whose report exists is skipped.
+# loses one cell of 16, the others two or more), from the shipped adapters (scripts/stage_adapters.sh). Rerun to
+# resume: training resumes from its last save, or is skipped once its backbone is kept in data/stages (commit that
+# folder: it cost CPU hours); an evaluation whose report exists is skipped.
 #
 #   nohup bash docs/results/training/stage15/stage15.sh > runs/s15/stage15.log 2>&1 &
 #
