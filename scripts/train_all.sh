@@ -14,9 +14,11 @@
 #    step on 2 cores, AVX512-BF16: 1,500 steps are 16 M positions in about 3.7 hours).
 # 3. tau per domain (chat-dev, GSM8K, HumanEval, MBPP) of the stage's drafter and of the shipped one, with `paired`,
 #    each method on its own rounds, at B = 16 and 4 (scripts/ship_if_better.py prints the table for the model card);
-# 4. where the stage's drafter beats the shipped one on every domain: the TreeFlash AR layer and the Weaver on it
-#    (frozen backbone, from the shipped ones, one thread each, side by side); if they beat the shipped ones on every
-#    domain too, the three replace the shipped drafters (SHIP=1), together: the adapters are tied to their backbone.
+# 4. where the stage's drafter beats the shipped one on every domain (scripts/ship_if_better.py --domains: each
+#    domain's cells' geometric mean ratio above 1, no cell significantly worse over the prompts): the TreeFlash AR
+#    layer and the Weaver on it (frozen backbone, from the shipped ones, one thread each, side by side); if the
+#    stage's three drafters beat the shipped ones on every domain by the same rule, over all eight cells, they replace
+#    the shipped drafters (SHIP=1), together: the adapters are tied to their backbone.
 # Commit after each stage: the store, the shipped folders and $RUNS/*/eval/*.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +74,7 @@ for stage in $(seq 1 "$STAGES"); do
     echo "== 3. tau of stage $stage"
     evaluate "$run" dflash,ddtree --drafter "$run/drafter"
     # the adapters are tied to their backbone (its sha256): a backbone ships with adapters trained on it, or not at all
-    if $PY scripts/ship_if_better.py "$run" "$(at_budgets dflash,ddtree)"; then
+    if $PY scripts/ship_if_better.py --domains "$run" "$(at_budgets dflash,ddtree)"; then
         echo "== 4. adapters on the stage-$stage backbone"
         OMP_NUM_THREADS=1 $TF train treeflash --backbone "$run/drafter" --freeze-backbone \
             --init "$SHIPPED/smollm2-135m-instruct-treeflash" --out "$run/treeflash" \
@@ -80,9 +82,9 @@ for stage in $(seq 1 "$STAGES"); do
         OMP_NUM_THREADS=1 $TF train weaver --backbone "$run/drafter" --init "$SHIPPED/smollm2-135m-instruct-weaver" \
             --out "$run/weaver" --steps "$ADAPTER_STEPS" --lr 5e-4 "${TRAIN[@]}" &
         wait -n && wait -n  # both must succeed
-        mkdir -p "$run/adapters"
-        evaluate "$run/adapters" treeflash,tfm --drafter "$run/treeflash/drafter" --weaver "$run/weaver/weaver"
-        $PY scripts/ship_if_better.py "$run/adapters" "$(at_budgets treeflash,tfm)" "$SHIP" \
+        evaluate "$run" treeflash --drafter "$run/treeflash/drafter"
+        evaluate "$run" tfm --drafter "$run/drafter" --weaver "$run/weaver/weaver"
+        $PY scripts/ship_if_better.py --domains "$run" "$(at_budgets dflash,ddtree,treeflash,tfm)" "$SHIP" \
             "$run/drafter" "$SHIPPED/smollm2-135m-instruct-dflash" \
             "$run/treeflash/drafter" "$SHIPPED/smollm2-135m-instruct-treeflash" \
             "$run/weaver/weaver" "$SHIPPED/smollm2-135m-instruct-weaver" || true
