@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-DOMAINS = ("chat-dev", "gsm8k", "humaneval", "mbpp")
+from treeflash.eval.datasets import DOMAINS
+
 # the shipped DFlash drafter is stage 2's: its tau at T = 0, measured when it shipped
 STAGE2 = Path("docs/results/training/stage2")
 COLUMNS = (("shipped", "dflash"), ("shipped", "ddtree"), ("shipped", "treeflash"), ("shipped", "tfm"),

@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-DOMAINS = ("chat-dev", "gsm8k", "humaneval", "mbpp")
+from treeflash.eval.datasets import DOMAINS
+
 METHODS = ("dflash", "ddtree", "treeflash", "tfm", "eagle3")
 EQUAL = ("dflash", "ddtree", "treeflash", "tfm")  # the equal-compute arm's methods (those it has run)
 

@@ -25,7 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
-DOMAINS = ("chat-dev", "gsm8k", "humaneval", "mbpp")
+from treeflash.eval.datasets import DOMAINS
+
 RESAMPLES, LEVEL = 2000, 0.90  # the bootstrap over prompts: resamples, two-sided interval
 
 

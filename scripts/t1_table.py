@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-DOMAINS = ("chat-dev", "gsm8k", "humaneval", "mbpp")
+from treeflash.eval.datasets import DOMAINS
+
 METHODS = ("dflash", "ddtree", "treeflash", "tfm")
 
 

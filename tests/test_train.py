@@ -10,7 +10,7 @@ import torch
 from treeflash.cli import main
 from treeflash.models.checkpoint import DrafterError
 from treeflash.models.dflash import DFlashDrafter
-from treeflash.eval.datasets import DatasetError
+from treeflash.eval.datasets import DOMAINS, DatasetError
 from treeflash.train.store import Answer, AnswerStore, load_answers, repeat_answers, select_sources
 from treeflash.models.blocks import block_mask
 from treeflash.train.dflash import (Sequence, block_lengths, dflash_loss, drafted_positions, sample_anchors,
@@ -572,7 +572,7 @@ def test_a_stage_ships_only_when_it_wins_everywhere(tmp_path):
         (tmp_path / "run" / "eval").mkdir(parents=True, exist_ok=True)
         (tmp_path / "run" / "eval" / name).write_text(json.dumps({"methods": {"ddtree": {"expected_tau": tau}}}))
 
-    for domain in ("chat-dev", "gsm8k", "humaneval", "mbpp"):
+    for domain in DOMAINS:
         report(f"shipped-{domain}.json", 2.0)
         report(f"new-{domain}.json", 2.1 if domain != "mbpp" else 1.9)
     new, shipped = tmp_path / "new", tmp_path / "ckpt" / "smollm2-135m-instruct-treeflash"
@@ -608,7 +608,7 @@ def test_a_stage_is_judged_on_one_report_per_method(tmp_path):
     def report(name, method, tau):
         (eval_dir / name).write_text(json.dumps({"methods": {f"{method}@16": {"expected_tau": tau}}}))
 
-    for domain in ("chat-dev", "gsm8k", "humaneval", "mbpp"):
+    for domain in DOMAINS:
         for method, new_tau in (("treeflash", 2.2), ("tfm", 2.3 if domain != "gsm8k" else 1.9)):
             report(f"shipped-{domain}-{method}.json", method, 2.0)
             report(f"new-{domain}-{method}.json", method, new_tau)
@@ -639,7 +639,7 @@ def test_a_stage_is_judged_by_domain(tmp_path):
         (eval_dir / name).write_text(json.dumps({"prompt_rounds": [10] * 10, "methods": methods}))
 
     def judge(b_factors):
-        for domain in ("chat-dev", "gsm8k", "humaneval", "mbpp"):
+        for domain in DOMAINS:
             report(f"shipped-{domain}.json", {"a": shipped, "b": shipped})
             report(f"new-{domain}.json", {"a": [t * 1.05 for t in shipped],
                                           "b": [t * f for t, f in zip(shipped, b_factors)]})

@@ -31,6 +31,9 @@ BUILTIN = {
 }
 
 
+# the domains every drafter is measured on: the tables of the model cards, docs/results and the ship rule
+DOMAINS = ("chat-dev", "gsm8k", "humaneval", "mbpp")
+
 SHAREGPT = "prompts/sharegpt_prompts.jsonl"  # under the data folder
 CHAT_DEV_SHARE = 0.05
 
