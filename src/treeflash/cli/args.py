@@ -272,6 +272,24 @@ def build_parser() -> Parser:
     rg.add_argument("--temperature", type=_non_negative_float, default=0.0,
                     help="0: greedy answers (default); > 0: the target's samples at this temperature")
 
+    mg = data.add_parser("magpie", help="the target writes user requests itself (Magpie: its chat template up to a "
+                         "user turn, sampled) and answers them greedily, into an answer store with their ids "
+                         "(appends; resumes): chat prompts beyond the prompt sets")
+    mg.add_argument("--count", type=_positive_int, required=True,
+                    help="requests to try, ids magpie/SEED-0 .. COUNT-1 (cut-off, empty and repeated ones are dropped)")
+    mg.add_argument("--out", default=DEFAULT_STORE, help=f"the answer store ({DEFAULT_STORE}: the repository's)")
+    mg.add_argument("--batch-size", type=_positive_int, default=32)
+    mg.add_argument("--turn-tokens", type=_positive_int, default=128,
+                    help="the longest request kept: one not ended within this many tokens is dropped (128)")
+    mg.add_argument("--max-new-tokens", type=_positive_int, default=256, help="answer length (256)")
+    mg.add_argument("--temperature", type=_positive_float, default=1.0,
+                    help="the requests' sampling temperature (1); the answers are greedy")
+    mg.add_argument("--shard-size", type=_positive_int, default=512, help="requests tried per shard (512)")
+    mg.add_argument("--seed", type=int, default=0, help="the requests' samples; part of their ids")
+    mg.add_argument("--target", default=DEFAULT_TARGET)
+    mg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    mg.add_argument("--device", default=None)
+
     rk = data.add_parser("rank", help="rank tokens by frequency in regenerated answers, for a drafter's FR-Spec "
                          "draft vocabulary (writes token_ranking.json beside its config.json)")
     rk.add_argument("--data", default=DEFAULT_STORE, help=f"answer store(s), commas ({DEFAULT_STORE})")

@@ -1,4 +1,4 @@
-"""`treeflash data`: regen, rank, datastore, manifest, check, import."""
+"""`treeflash data`: regen, magpie, rank, datastore, manifest, check, import."""
 
 from __future__ import annotations
 
@@ -37,12 +37,20 @@ def cmd_data(args) -> None:
     if args.data_command == "import":
         return print(json.dumps({"added": import_jsonl(args.folder, AnswerStore(args.into)), "store": args.into}))
 
+    meta = {"target": args.target, "dtype": args.dtype, "commit": source_commit(),
+            "command": shlex.join(args.command_line)}
+    if args.data_command == "magpie":
+        from ..train.magpie import write_magpie
+
+        process_share()  # under torchrun: this process's GPU, before the target loads onto it
+        return print(json.dumps(write_magpie(_load_target(args), AnswerStore(args.out), args.count, meta,
+                                             args.batch_size, args.seed, args.temperature, args.turn_tokens,
+                                             args.max_new_tokens, args.shard_size)))
+
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     prompts = training_prompts(data_dir, [s.strip() for s in args.sources.split(",") if s.strip()])
     if args.limit:
         prompts = prompts[: args.limit] if len(args.sources.split(",")) == 1 else _spread(prompts, args.limit)
-    meta = {"target": args.target, "dtype": args.dtype, "commit": source_commit(),
-            "command": shlex.join(args.command_line)}
     process_share()  # under torchrun: this process's GPU, before the target loads onto it
     report = regenerate(_load_target(args), prompts, AnswerStore(args.out), meta, args.max_new_tokens,
                         args.batch_size, seed=args.seed, temperature=args.temperature, shard_size=args.shard_size)

@@ -46,6 +46,9 @@ def training_prompts(data_dir: Path, sources: list[str]) -> list[tuple[str, str]
     """(id, prompt) pairs of the chosen training sources, ids like 'gsm8k/17'."""
     out = []
     for name in sources:
+        if name == "magpie":
+            raise DatasetError("magpie's prompts are the target's own: `treeflash data magpie` writes and answers "
+                               "them, and the answer store keeps them")
         if name not in SOURCES:
             raise DatasetError(f"unknown training source {name!r}; choose from {', '.join(SOURCES)}")
         path, row_id, prompt, keep = SOURCES[name]

@@ -7,9 +7,11 @@ A store is a folder of compressed shards and one append-only `manifest.jsonl`, a
      "command": "treeflash data regen ...", "time": ...}
 
 A shard holds the answers of its manifest line's ids, in that order: `tokens` (every answer's ids, concatenated;
-uint16 while the vocabulary fits), `lengths`, and `prompt_crc` (crc32 of each prompt's token ids). No prompt is
-stored: training reads each prompt back by its id from the prompt sets and encodes it again, and the checksum says
-when that no longer gives the ids the answer was made for (another tokenizer, chat template or data file).
+uint16 while the vocabulary fits), `lengths`, and `prompt_crc` (crc32 of each prompt's token ids). No prompt of a
+prompt set is stored: training reads each prompt back by its id from the prompt sets and encodes it again, and the
+checksum says when that no longer gives the ids the answer was made for (another tokenizer, chat template or data
+file). A prompt the target wrote itself (`magpie.py`) has no prompt set to be read from: its shard holds its ids too
+(`prompt_tokens`, `prompt_lengths`), the target's text like the answers.
 
 A shard is written to a temporary file and renamed before its manifest line is appended, so an interrupted run
 leaves whole shards only; a shard without a manifest line is not part of the store (the next write replaces it).
@@ -51,6 +53,7 @@ class Answer:
     response_ids: list[int]
     temperature: float
     prompt_crc: int
+    prompt_ids: list[int] | None = None  # a prompt the target wrote (no prompt set holds it); else read back by id
 
     @property
     def source(self) -> str:
@@ -86,22 +89,27 @@ class AnswerStore:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
-    def append(self, ids: list[str], prompt_ids: list[list[int]], answers: list[list[int]], meta: dict) -> dict:
+    def append(self, ids: list[str], prompt_ids: list[list[int]], answers: list[list[int]], meta: dict,
+               keep_prompts: bool = False) -> dict:
         """Write one shard of answers and its manifest line; `meta` holds the run's settings (temperature, seed,
-        target, dtype, max_new_tokens, command). Returns the manifest line."""
+        target, dtype, max_new_tokens, command); `keep_prompts` stores the prompts' ids too (prompts the target
+        wrote). Returns the manifest line."""
         with self._locked():
-            return self._append(ids, prompt_ids, answers, meta)
+            return self._append(ids, prompt_ids, answers, meta, keep_prompts)
 
-    def _append(self, ids: list[str], prompt_ids: list[list[int]], answers: list[list[int]], meta: dict) -> dict:
+    def _append(self, ids: list[str], prompt_ids: list[list[int]], answers: list[list[int]], meta: dict,
+                keep_prompts: bool) -> dict:
         entries = self.entries()
         if entries and entries[0].get("target") != meta.get("target"):
             raise DatasetError(f"{self.folder} holds answers of target {entries[0].get('target')!r}, not "
                                f"{meta.get('target')!r}: use another --out")
-        width = np.uint16 if max((max(a, default=0) for a in answers), default=0) < 2 ** 16 else np.uint32
+        arrays = {"tokens": _packed(answers), "lengths": np.asarray([len(a) for a in answers], dtype=np.uint32),
+                  "prompt_crc": np.asarray([prompt_checksum(p) for p in prompt_ids], dtype=np.uint32)}
+        if keep_prompts:
+            arrays |= {"prompt_tokens": _packed(prompt_ids),
+                       "prompt_lengths": np.asarray([len(p) for p in prompt_ids], dtype=np.uint32)}
         buffer = io.BytesIO()
-        np.savez_compressed(buffer, tokens=np.fromiter((t for a in answers for t in a), dtype=width),
-                            lengths=np.asarray([len(a) for a in answers], dtype=np.uint32),
-                            prompt_crc=np.asarray([prompt_checksum(p) for p in prompt_ids], dtype=np.uint32))
+        np.savez_compressed(buffer, **arrays)
         data = buffer.getvalue()
         name = f"shard-{len(entries):05d}.npz"
         tmp = self.folder / f".{name}.tmp"
@@ -123,13 +131,13 @@ class AnswerStore:
             if not shard.is_file():
                 raise DatasetError(f"{shard} is missing (named in {self.manifest_path})")
             with np.load(shard, allow_pickle=False) as z:
-                tokens, lengths, crcs = z["tokens"], z["lengths"], z["prompt_crc"]
-            if len(lengths) != len(entry["ids"]):
-                raise DatasetError(f"{shard} holds {len(lengths)} answers, its manifest line {len(entry['ids'])}")
-            ends = np.cumsum(lengths)
-            for i, end, length, crc in zip(entry["ids"], ends, lengths, crcs):
+                answers, crcs = _unpacked(z["tokens"], z["lengths"]), z["prompt_crc"]
+                prompts = _unpacked(z["prompt_tokens"], z["prompt_lengths"]) if "prompt_tokens" in z else None
+            if len(answers) != len(entry["ids"]):
+                raise DatasetError(f"{shard} holds {len(answers)} answers, its manifest line {len(entry['ids'])}")
+            for k, (i, answer, crc) in enumerate(zip(entry["ids"], answers, crcs)):
                 if not is_chat_dev(i):
-                    yield Answer(i, tokens[end - length:end].tolist(), entry["temperature"], int(crc))
+                    yield Answer(i, answer, entry["temperature"], int(crc), prompts[k] if prompts else None)
 
     def verify(self) -> list[str]:
         """Problems with the store (none: []): shards missing, changed (sha256), or disagreeing with their
@@ -179,6 +187,17 @@ class AnswerStore:
         return {"store": str(self.folder), "answers": sum(c["answers"] for c in by_source.values()),
                 "tokens": sum(r["tokens"] for r in runs.values()), "by_source": dict(sorted(by_source.items())),
                 "runs": list(runs.values())}
+
+
+def _packed(rows: list[list[int]]) -> np.ndarray:
+    """Token id lists concatenated, uint16 while the vocabulary fits."""
+    width = np.uint16 if max((max(r, default=0) for r in rows), default=0) < 2 ** 16 else np.uint32
+    return np.fromiter((t for r in rows for t in r), dtype=width)
+
+
+def _unpacked(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+    ends = np.cumsum(lengths)
+    return [tokens[end - length:end].tolist() for end, length in zip(ends, lengths)]
 
 
 def stores(paths: str | Path) -> list[AnswerStore]:
@@ -246,16 +265,19 @@ def load_answers(paths: str | Path, encode: Callable[[str], list[int]], data_dir
     """Training rows {id, prompt_ids, response_ids, temperature} of one store or several (commas), of the
     `sources` chosen (select_sources) and repeated as `repeat` says (repeat_answers), in a fixed order: each
     prompt read back by its id from the prompt sets in `data_dir` and encoded by `encode` (the target's chat
-    template), checked against the checksum its answer was stored with."""
+    template), or stored with its answer where the target wrote it, checked against the checksum its answer was
+    stored with."""
     from .data import training_prompts
 
     answers = select_sources([a for store in stores(paths) for a in store.answers()], sources)
     answers = repeat_answers(answers, repeat)
-    texts = dict(training_prompts(data_dir, sorted({a.source for a in answers})))
+    texts = dict(training_prompts(data_dir, sorted({a.source for a in answers if a.prompt_ids is None})))
     encoded: dict[str, list[int]] = {}
     rows, missing, changed = [], [], []
     for a in answers:
-        if a.id not in texts:
+        if a.prompt_ids is not None:  # the target's own prompt, stored with its answer
+            encoded[a.id] = a.prompt_ids
+        elif a.id not in texts:
             missing.append(a.id)
             continue
         if a.id not in encoded:
