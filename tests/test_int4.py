@@ -86,6 +86,15 @@ def test_the_kernel_computes_every_row_on_its_own():
         assert torch.equal(w.matmul(x), rows)
 
 
+def test_a_strided_input_multiplies_as_its_contiguous_copy():
+    """HF's generate takes the logits of a batch's last positions, a strided view, in bf16 (no cast copies it)."""
+    linear = Int4Linear([random_int4(64, 96, torch.bfloat16)[0]])
+    hidden = torch.randn(3, 5, 96).bfloat16()
+    last = hidden[:, -1:, :]
+    assert not last.reshape(-1, 96).is_contiguous()
+    assert torch.equal(linear(last), linear(last.contiguous()))
+
+
 def test_fp32_activations_around_bf16_products_round_only_the_products_inputs():
     """Under dtype auto without native bf16, the activations stay fp32 and a bf16 kernel multiplies: the product
     of x rounded to bf16, then widened; Q8_0's two halves are summed in fp32."""

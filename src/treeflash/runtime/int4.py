@@ -78,7 +78,8 @@ class Int4Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ w.T -> [M, N] in x's dtype."""
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zeros)
+        # the kernel refuses a strided x, e.g. HF's last positions of a batch (hidden_states[:, -1:])
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.scale_zeros)
 
     def rows(self, start: int, stop: int) -> "Int4Weight":
         """Rows start..stop (start a multiple of BLOCK_ROWS, stop too or the end): a view of the packed values,
