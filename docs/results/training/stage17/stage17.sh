@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stage 17 of issue #30: the shipped backbone trained 500 more steps on the answer store with the target's own chat
-# requests added (source magpie: `treeflash data magpie --count 8192 --batch-size 48`, answered greedily, once an
+# requests added (source magpie: 5,313 greedy answers to requests it wrote, shards 41-53 of data/answers, once an
 # epoch) beside stage 15's mix; stage 16 (`../stage16/`) showed that more passes over the old answers no longer move
 # the drafter. Then the mean weighted 2:1 towards it against the shipped one, and the adapters on it from the shipped
 # ones (scripts/stage_adapters.sh, the same mix). The verdict's shipped side is stage 15's own verdict reports of the
