@@ -396,11 +396,12 @@ def test_the_repository_store_matches_its_manifest():
     from pathlib import Path
 
     from treeflash.train.data import SOURCES
+    from treeflash.train.magpie import SOURCE as MAGPIE
 
     store = AnswerStore(Path(__file__).parent.parent / "data" / "answers")
     assert store.entries(), "the repository's answer store is empty"
     assert store.verify() == []
-    assert {i.split("/")[0] for e in store.entries() for i in e["ids"]} <= set(SOURCES)
+    assert {i.split("/")[0] for e in store.entries() for i in e["ids"]} <= {*SOURCES, MAGPIE}
 
 
 def test_the_chat_dev_set_is_held_out(tmp_path, monkeypatch):
