@@ -22,6 +22,7 @@ from tqdm import tqdm
 from ..eval.datasets import SHAREGPT, DatasetError, is_chat_dev, read_jsonl
 from ..runtime import Target
 from ..verify import Sampling
+from .magpie import SOURCE as MAGPIE
 from .processes import process_share
 from .store import AnswerStore
 
@@ -46,7 +47,7 @@ def training_prompts(data_dir: Path, sources: list[str]) -> list[tuple[str, str]
     """(id, prompt) pairs of the chosen training sources, ids like 'gsm8k/17'."""
     out = []
     for name in sources:
-        if name == "magpie":
+        if name == MAGPIE:
             raise DatasetError("magpie's prompts are the target's own: `treeflash data magpie` writes and answers "
                                "them, and the answer store keeps them")
         if name not in SOURCES:
@@ -113,8 +114,7 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStor
                      [r["response_ids"] for r in pending], meta)
         pending.clear()
 
-    answer = answer_continuously if target.static is not None else answer_in_batches
-    for rows in answer(target, encoded, max_new_tokens, batch_size, seed, temperature):
+    for rows in answerer(target)(target, encoded, max_new_tokens, batch_size, seed, temperature):
         pending += rows
         if len(pending) >= shard_size:
             flush()
@@ -127,6 +127,12 @@ def regenerate(target: Target, prompts: list[tuple[str, str]], store: AnswerStor
     seconds = time.time() - started
     return {"prompts": len(encoded), "skipped_done": len(share) - len(todo), "skipped_too_long": too_long, "new_tokens": tokens,
             "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9)}
+
+
+def answerer(target: Target):
+    """How `target` answers a list of encoded prompts: continuous batching where the static runtime runs, else
+    the padded HF batches (the reference)."""
+    return answer_continuously if target.static is not None else answer_in_batches
 
 
 def _row(prompt_id: str, ids: list[int], answer: list[int], temperature: float) -> dict:

@@ -48,7 +48,7 @@ def write_magpie(target, store: AnswerStore, count: int, meta: dict, batch_size:
     their ids, a shard per `shard_size` ids tried; a rerun resumes with the ids the store lacks. A turn is kept
     when `written_turn` keeps it and the store holds no equal prompt (the shortest requests repeat). Returns
     counts and throughput."""
-    from .data import answer_continuously, answer_in_batches
+    from .data import answerer
 
     before, after = user_turn_template(target)
     special = set(target.tokenizer.all_special_ids)
@@ -56,8 +56,8 @@ def write_magpie(target, store: AnswerStore, count: int, meta: dict, batch_size:
     done = store.done(0.0, seed)  # the ids carry the seed; greedy answers are looked up without one
     share = [f"{SOURCE}/{seed}-{k}" for k in range(count)][rank::world]
     todo = [i for i in share if i not in done]
-    held = {tuple(a.prompt_ids) for a in store.answers() if a.source == SOURCE} if store.entries() else set()
-    answer = answer_continuously if target.static is not None else answer_in_batches
+    held = {tuple(a.prompt_ids) for a in store.answers() if a.source == SOURCE}
+    answer = answerer(target)
     meta = {**meta, "temperature": 0.0, "seed": seed, "max_new_tokens": max_new_tokens,
             "turn_temperature": temperature, "turn_tokens": turn_tokens}
     kept = tokens = 0
@@ -69,9 +69,10 @@ def write_magpie(target, store: AnswerStore, count: int, meta: dict, batch_size:
         for rows in answer(target, chunk, turn_tokens, batch_size, seed, temperature):
             for r in rows:
                 turn = written_turn(r["response_ids"], target.eos_ids, special)
-                if turn is not None and tuple(before + turn + after) not in held:
-                    held.add(tuple(before + turn + after))
-                    prompts.append((r["id"], before + turn + after))
+                prompt = None if turn is None else before + turn + after
+                if prompt is not None and tuple(prompt) not in held:
+                    held.add(tuple(prompt))
+                    prompts.append((r["id"], prompt))
         rows = [r for batch in answer(target, prompts, max_new_tokens, batch_size, seed, 0.0) for r in batch]
         if rows:
             store.append([r["id"] for r in rows], [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
