@@ -110,6 +110,9 @@ def ship(new: Path, shipped: Path) -> None:
 def main(argv: list[str]) -> int:
     by_domain = "--domains" in argv
     argv = [a for a in argv if a != "--domains"]
+    if len(argv) < 2 or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     eval_dir, methods = Path(argv[0]) / "eval", argv[1].split(",")
     do_ship = len(argv) > 2 and argv[2] == "1"
     pairs = [(Path(argv[i]), Path(argv[i + 1])) for i in range(3, len(argv) - 1, 2)]

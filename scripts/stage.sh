@@ -25,7 +25,8 @@ if [ ! -d $B ]; then
     $TF train dflash --init ${SHIPPED}-dflash --out $R/dflash --steps $STEPS --lr 1.5e-4 --seed $STAGE --batch-size 4 \
         --max-len 512 --save-every 25 --keep-every $((STEPS / 2)) --log-every 10 --short-blocks 0.5 --threads 2 \
         --repeat $REPEAT
-    cp -r $R/dflash/drafter $B.tmp && mv $B.tmp $B
+    cp -r $R/dflash/drafter $B.tmp  # two commands: set -e does not stop at a failed `cp` left of &&
+    mv $B.tmp $B
 fi
 $TF train average ${SHIPPED}-dflash $B --weights 1,2 --out $R/w12/drafter
 
