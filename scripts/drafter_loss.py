@@ -3,10 +3,11 @@
 Draws --per-source answers of each source and temperature (seeded), and scores every drafter given on the same
 anchors (--anchors per answer, full blocks) with the training objective (`dflash_loss`, bf16 autocast as in
 training, no gradients): one target forward per answer serves all drafters. Prints a table of loss, top-1 over all
-depths and at depth 1 per source and drafter, and writes it as JSON.
+depths and at depth 1 per source and drafter (each answer's means, weighted by its drafted positions), and writes it
+as JSON.
 
-A drafter's loss on answers it trained on for epochs, against its loss on answers it never saw, says whether more
-answers of a kind could still teach it (issue #30: stage 17, docs/results/training/stage17).
+The same drafter before and after a stage, on the kinds of answer it trained on and on a kind it never saw, says
+what the stage taught and where (issue #30: stage 17, docs/results/training/stage17).
 
     .venv/bin/python scripts/drafter_loss.py src/treeflash/checkpoints/smollm2-135m-instruct-dflash \
         data/stages/smollm2-135m-instruct-dflash-stage17 [--per-source 32] [--out loss.json]
