@@ -13,7 +13,11 @@ OUT=${OUT:-runs/init-ab}
 TF=.venv/bin/treeflash
 THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS  # paired too
-[ -d "$OUT/answers" ] || { mkdir -p "$OUT" && cp -r data/answers "$OUT/answers.tmp" && mv "$OUT/answers.tmp" "$OUT/answers"; }
+if [ ! -d "$OUT/answers" ]; then  # one command a line: set -e does not stop at a failure left of && or ||
+    mkdir -p "$OUT"
+    cp -r data/answers "$OUT/answers.tmp"
+    mv "$OUT/answers.tmp" "$OUT/answers"
+fi
 arm() {
     $TF train dflash --init-layers "$1" --out "$OUT/$1" --steps "$STEPS" --batch-size 4 --max-len 512 \
         --save-every 50 --log-every 10 --seed 0 --data "$OUT/answers" --threads "$THREADS"
