@@ -16,7 +16,7 @@ what the stage taught and where (issue #30: stage 17, docs/results/training/stag
 import argparse
 import json
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 from tqdm import tqdm
@@ -58,22 +58,24 @@ def main() -> None:
     rng = random.Random(args.seed)
     picked = [r for k in sorted(by_kind) for r in rng.sample(by_kind[k], min(args.per_source, len(by_kind[k])))]
     items = [(kind(r), s) for r in picked for s in sequences([r], args.max_len, drafters[0].config.block_size)]
-    kinds = [k for k, _ in items]
+    answers = Counter(k for k, _ in items)
     taps, vocab = drafters[0].config.target_layer_ids, drafters[0].draft_vocab
     sums = defaultdict(lambda: defaultdict(float))  # (kind, drafter) -> field -> token-weighted sum
-    with torch.no_grad(), torch.autocast(target.device.type, dtype=torch.bfloat16):
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16)  # around the drafter only, as in training
+    with torch.no_grad():
         for i, (k, seq) in enumerate(tqdm(items, desc="answers")):
             view = target_view(target.model, seq.tokens, taps, vocab)
             anchors = sample_anchors(seq, args.anchors, torch.Generator().manual_seed(args.seed * 100_003 + i))
             for d, drafter in enumerate(drafters):
-                _, stats = dflash_loss(drafter, seq, view, anchors)
+                with autocast:
+                    _, stats = dflash_loss(drafter, seq, view, anchors)
                 n = float(stats["tokens"])
                 for f in FIELDS:
                     sums[k, d][f] += float(stats[f]) * n
                 sums[k, d]["tokens"] += n
 
-    table = {k: [{f: sums[k, d][f] / sums[k, d]["tokens"] for f in FIELDS} | {"answers": kinds.count(k)}
-                 for d in range(len(drafters))] for k in sorted(set(kinds))}
+    table = {k: [{f: sums[k, d][f] / sums[k, d]["tokens"] for f in FIELDS} | {"answers": answers[k]}
+                 for d in range(len(drafters))] for k in sorted(answers)}
     print("| source | answers | " + " | ".join(f"{f} ({d + 1})" for d in range(len(drafters)) for f in FIELDS) + " |")
     print("|---" * (2 + len(drafters) * len(FIELDS)) + "|")
     for k, cols in table.items():
