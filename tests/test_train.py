@@ -547,6 +547,32 @@ def test_init_goes_on_training_a_dflash_drafter(tmp_path, tiny_folder):  # noqa:
     assert main([*more, "--init", str(tmp_path / "tf"), "--out", str(tmp_path / "x")]) == 2  # not a DFlash drafter
 
 
+def test_a_grown_drafter_drafts_what_it_grew_from_then_trains_its_new_layer(tmp_path, tiny_folder):  # noqa: F811
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    c = drafter.config
+    taps, positions = torch.randn(6, len(c.target_layer_ids), c.hidden_size), torch.arange(6)
+
+    def logits(d):
+        return d.draft_logits(3, 6, d.context_kv(d.fuse(taps), positions))
+
+    before = logits(drafter)
+    grown = drafter.add_layers(2)
+    assert grown.config.num_hidden_layers == len(grown.layers) == 4
+    assert torch.equal(logits(grown), before)  # each new layer adds exactly zero
+
+    write_store(tmp_path, tiny_folder)
+    assert main(train_args(tmp_path, tiny_folder, tmp_path / "first", 1)) == 0
+    grow = [*train_args(tmp_path, tiny_folder, tmp_path / "grown", 2), "--init", str(tmp_path / "first" / "drafter")]
+    assert main([*grow, "--add-layers", "1"]) == 0
+    first = DFlashDrafter.from_pretrained(tmp_path / "first" / "drafter")
+    trained = DFlashDrafter.from_pretrained(tmp_path / "grown" / "drafter")
+    assert trained.config.num_hidden_layers == first.config.num_hidden_layers + 1
+    assert trained.layers[-1].mlp.down_proj.weight.abs().max() > 0  # opened up by training
+    assert main([*grow, "--add-layers", "-1"]) == 2
+    assert main([*train_args(tmp_path, tiny_folder, tmp_path / "fresh", 1), "--add-layers", "1"]) == 2  # no init
+
+
 def test_draft_layers_can_start_as_the_targets_last_layers():
     from treeflash.train.dflash import init_from_target
 

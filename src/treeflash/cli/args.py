@@ -23,6 +23,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -343,6 +350,9 @@ def build_parser() -> Parser:
                     "deepest tap as context")
     td.add_argument("--init", help="a trained DFlash drafter folder to go on training, e.g. on new "
                     "data (its sizes are kept: --layers, --taps, --intermediate-size, --block-size do not apply)")
+    td.add_argument("--add-layers", type=_non_negative_int, default=0, metavar="N",
+                    help="with --init: grow the drafter by N draft layers on top, each a copy of its last layer with "
+                    "the output projections zeroed, so that it starts drafting exactly what the init does (0)")
     tt = tr.add_parser("treeflash", help="train TreeFlash's AR layer on a DFlash backbone (torchrun for DDP)")
     tt.add_argument("--backbone", required=True,
                     help="DFlash drafter folder to start from (a TreeFlash drafter: train its AR layer further)")

@@ -9,6 +9,7 @@ reused, never stored in the drafter. Parameter names and config fields follow th
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable
 
@@ -97,6 +98,19 @@ class DFlashDrafter(nn.Module):
                       "intermediate_size": intermediate_size or c.intermediate_size}
         self.ar_layer = ARApproximation(c.hidden_size, c.ar_layer["intermediate_size"], kind, prev_tokens,
                                         c.rms_norm_eps).to(self.fc.weight.device, self.fc.weight.dtype)
+        return self
+
+    def add_layers(self, n: int) -> "DFlashDrafter":
+        """n more draft layers on top, each a copy of the last with its output projections zeroed: each adds
+        exactly zero to the residual stream, so the grown drafter drafts what this one did, and training opens
+        them up from features the last layer already computes (growth that keeps what was learned)."""
+        for _ in range(n):
+            layer = copy.deepcopy(self.layers[-1])
+            with torch.no_grad():
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            self.layers.append(layer)
+        self.config.num_hidden_layers = len(self.layers)
         return self
 
     @staticmethod

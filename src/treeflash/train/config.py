@@ -57,6 +57,7 @@ class DFlashRun(FreshDrafterRun):
     kind: ClassVar[str] = "dflash"
     init_layers: str = "random"
     init: str | None = None  # a trained DFlash drafter to go on training
+    add_layers: int = 0  # with init: draft layers added on top, each starting as the identity
     kl_topk: int = 0
     draft_vocab: int | None = None
     grad_checkpoint: bool = False  # recompute the drafter's layers in the backward pass (less memory)

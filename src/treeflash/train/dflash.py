@@ -142,7 +142,8 @@ def run(job: DFlashRun | TreeFlashRun) -> dict:
     """`treeflash train dflash` and `treeflash train treeflash` (`job`: its typed config, train/config.py).
 
     A DFlash drafter starts fresh at the sizes given, or from a trained one (--init) with a new optimiser and
-    learning-rate schedule: a second stage on more data, or a published drafter fine-tuned on one's own.
+    learning-rate schedule: a second stage on more data, or a published drafter fine-tuned on one's own; with
+    --add-layers, grown by that many layers that start as the identity (`DFlashDrafter.add_layers`).
 
     TreeFlash starts from a trained DFlash backbone (--backbone), adds a zero-initialised AR layer and trains it,
     alone (--freeze-backbone) or with the backbone, on the same objective with teacher forcing. A TreeFlash
@@ -169,12 +170,15 @@ def run(job: DFlashRun | TreeFlashRun) -> dict:
             raise DrafterError(f"--backbone {job.backbone} has an AR layer already: --init needs a DFlash backbone")
         trainable = list((drafter.ar_layer if job.freeze_backbone else drafter).parameters())
     elif job.init:  # go on training a DFlash drafter (its own sizes: --layers etc. do not apply)
-        drafter = DFlashDrafter.from_pretrained(job.init).attach(target.model).to(target.device)
+        drafter = DFlashDrafter.from_pretrained(job.init).attach(target.model)
         if drafter.ar_layer is not None:
             raise DrafterError(f"{job.init} is a TreeFlash drafter: go on training it with `treeflash train treeflash "
                                f"--backbone {job.init}`")
+        drafter = drafter.add_layers(job.add_layers).to(target.device)
         trainable = list(drafter.parameters())
     else:
+        if job.add_layers:
+            raise DrafterError("--add-layers grows a trained drafter: it needs --init (a fresh one takes --layers)")
         config = DFlashConfig.for_target(target.config, num_layers=job.layers, num_taps=job.taps,
                                          block_size=job.block_size, intermediate_size=job.intermediate_size,
                                          mask_token_id=mask_token(job.mask_token, target))
