@@ -157,6 +157,9 @@ def test_the_draft_vocabulary_loss():
         plain = forward_kl(whole.logp[predicted[valid] - 1], drafter.logits(h))
         torch.testing.assert_close(loss, (weights * plain).sum() / weights.sum())
         assert float(stats["outside"]) == pytest.approx(0, abs=1e-6)
+        steep = position_weights(4, decay=0.5)[None].expand_as(predicted)[valid]  # the first positions weigh more
+        loss, _ = dflash_loss(drafter, seq, whole, anchors, decay=0.5)
+        torch.testing.assert_close(loss, (steep * plain).sum() / steep.sum())
 
         vocab = torch.tensor([0, 3, 5, 16, 40, 41, 77])
         drafter.use_draft_vocab(vocab)
@@ -570,6 +573,7 @@ def test_a_grown_drafter_drafts_what_it_grew_from_then_trains_its_new_layer(tmp_
     assert trained.config.num_hidden_layers == first.config.num_hidden_layers + 1
     assert trained.layers[-1].mlp.down_proj.weight.abs().max() > 0  # opened up by training
     assert main([*grow, "--add-layers", "-1"]) == 2
+    assert main([*grow, "--loss-decay", "0"]) == 2  # a weight exp(-(k - 1) / D) needs D > 0
     assert main([*train_args(tmp_path, tiny_folder, tmp_path / "fresh", 1), "--add-layers", "1"]) == 2  # no init
 
 

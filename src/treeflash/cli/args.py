@@ -395,6 +395,9 @@ def build_parser() -> Parser:
                        "backward pass instead of keeping their activations (less memory, one more forward)")
     for t in (td, tt):
         t.add_argument("--kl-topk", type=int, help="sparse forward KL over the target's top-k (0: full)")
+        t.add_argument("--loss-decay", type=_positive_float, metavar="D",
+                       help="drafted position k of a block weighs exp(-(k - 1) / D) in the loss: a smaller D puts "
+                       "more of it on the first positions, the ones small trees verify (7, DFlash's for γ = 16)")
     for t in (td, tt, tw):
         t.add_argument("--short-blocks", type=float, metavar="SHARE",
                        help="cut this share of the blocks to a random length (2..γ-1), so that the drafter drafts "

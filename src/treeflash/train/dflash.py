@@ -209,7 +209,7 @@ def run(job: DFlashRun | TreeFlashRun) -> dict:
         anchors = sample_anchors(seq, job.num_anchors, gen)
         lengths = block_lengths(len(anchors), config.block_size, short_share, gen)
         with autocast:
-            loss, stats = dflash_loss(model, seq, view, anchors, job.kl_topk, lengths=lengths)
+            loss, stats = dflash_loss(model, seq, view, anchors, job.kl_topk, job.loss_decay, lengths)
         return loss, {**stats, "s_target": drafting - started, "s_drafter_forward": time.perf_counter() - drafting}
 
     adapter = job.kind == "treeflash" and job.freeze_backbone and saved_against is not None
