@@ -147,7 +147,9 @@ def run_bench(target: Target, prompts: list[str], methods: list[str], budgets: l
     totals = {v: Totals(per_prompt=[(0, 0.0)] * len(encoded)) for v in runs}  # a prompt's repeats add up
     bar = tqdm(total=repeats * len(encoded) * len(runs), desc="bench", unit="run", disable=not progress, leave=False)
     for repeat, (i, prompt) in itertools.product(range(repeats), enumerate(encoded)):
-        for v in runs:  # interleaved, so that machine noise hits every variant alike
+        first = (repeat * len(encoded) + i) % len(runs)
+        for v in runs[first:] + runs[:first]:  # interleaved, each first in turn: noise, and what the run before
+            # leaves in the caches (llama.cpp's process evicts our weights), hit every variant alike
             t = totals[v]
             tokens, seconds, forwards, rounds = decode(v, prompt, max_new_tokens, seed + i + repeat * len(encoded))
             t.forward_s += sum(x.forward_s for x in rounds)
