@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..runtime.loading import DEFAULT_TARGET
+from .losses import POSITION_DECAY
 from .store import DEFAULT_STORE
 
 
@@ -59,7 +60,7 @@ class DFlashRun(FreshDrafterRun):
     init: str | None = None  # a trained DFlash drafter to go on training
     add_layers: int = 0  # with init: draft layers added on top, each starting as the identity
     kl_topk: int = 0
-    loss_decay: float = 7.0  # position k of a block weighs exp(-(k - 1) / loss_decay) in the loss
+    loss_decay: float = POSITION_DECAY  # position k of a block weighs exp(-(k - 1) / loss_decay) in the loss
     draft_vocab: int | None = None
     grad_checkpoint: bool = False  # recompute the drafter's layers in the backward pass (less memory)
     short_blocks: float | None = None  # the share of blocks cut to random lengths (None: 0.5 if trained so, else 0)
@@ -75,7 +76,7 @@ class TreeFlashRun(TrainRun):
     ar_intermediate_size: int | None = None
     init: str | None = None  # a TreeFlash drafter whose AR layer starts the training
     kl_topk: int = 0
-    loss_decay: float = 7.0  # as DFlashRun's
+    loss_decay: float = POSITION_DECAY  # as DFlashRun's
     draft_vocab: int | None = None
     grad_checkpoint: bool = False
     short_blocks: float | None = None  # as DFlashRun's

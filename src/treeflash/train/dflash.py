@@ -19,7 +19,7 @@ from ..models.checkpoint import DrafterError
 from ..models.dflash import DFlashDrafter
 from ..models.dflash_io import RANKING_FILE
 from .config import DFlashRun, TrainRun, TreeFlashRun
-from .losses import forward_kl, position_weights
+from .losses import POSITION_DECAY, forward_kl, position_weights
 
 DEFAULT_DRAFT_VOCAB = 4096  # FR-Spec rows a fresh drafter is trained on and scores at inference
 
@@ -99,7 +99,8 @@ def learned_positions(predicted: torch.Tensor, length: int, lengths: torch.Tenso
 
 
 def dflash_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors: torch.Tensor,
-                kl_topk: int = 0, decay: float = 7.0, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                kl_topk: int = 0, decay: float = POSITION_DECAY,
+                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted forward KL over all anchors' blocks of one sequence, and stats (tensors: no host sync). With
     `lengths` [N] (`block_lengths`), block n is its first lengths[n] positions, and only those learn.
 

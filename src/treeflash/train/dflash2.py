@@ -33,11 +33,12 @@ from ..models.dflash import DFlashDrafter
 from ..models.dflash2 import DFlash2Drafter, is_dflash2
 from .config import DFlash2Run
 from .dflash import Sequence, TargetView, drafted_positions
-from .losses import forward_kl, position_weights
+from .losses import POSITION_DECAY, forward_kl, position_weights
 
 
 def dflash2_loss(model: torch.nn.Module, seq: Sequence, view: TargetView, anchors: torch.Tensor,
-                 selector_weight: float = 1.0, backbone: bool = True, decay: float = 7.0) -> tuple[torch.Tensor, dict]:
+                 selector_weight: float = 1.0, backbone: bool = True,
+                 decay: float = POSITION_DECAY) -> tuple[torch.Tensor, dict]:
     """Backbone KL (when `backbone`) + selector_weight x the selector's K-way KL, over all anchors' blocks of one
     sequence, and stats (tensors: no host sync). `model` is the DFlash2Drafter, or DistributedDataParallel around
     it; `view` holds the target's log-probabilities over the whole vocabulary."""

@@ -7,7 +7,10 @@ import math
 import torch
 
 
-def position_weights(block_size: int, decay: float = 7.0) -> torch.Tensor:
+POSITION_DECAY = 7.0  # DFlash's for γ = 16: drafted position k weighs exp(-(k - 1) / 7)
+
+
+def position_weights(block_size: int, decay: float = POSITION_DECAY) -> torch.Tensor:
     """w_k = exp(-(k - 1) / decay) for the drafted positions k = 1 .. γ-1 (DFlash: decay 7 for γ = 16)."""
     k = torch.arange(1, block_size, dtype=torch.float32)
     return torch.exp(-(k - 1) / decay)

@@ -23,7 +23,7 @@ from ..models.dflash import DFlashDrafter
 from ..models.weaver import Weaver
 from .config import WeaverRun
 from .dflash import Sequence, TargetView, drafted_positions, learned_positions
-from .losses import candidate_kl, position_weights
+from .losses import POSITION_DECAY, candidate_kl, position_weights
 
 
 def weaver_logits(model: torch.nn.Module, drafter: DFlashDrafter, tokens: torch.Tensor, taps: torch.Tensor,
@@ -49,7 +49,7 @@ def weaver_logits(model: torch.nn.Module, drafter: DFlashDrafter, tokens: torch.
 
 
 def weaver_loss(model: torch.nn.Module, drafter: DFlashDrafter, seq: Sequence, view: TargetView,
-                anchors: torch.Tensor, decay: float = 7.0,
+                anchors: torch.Tensor, decay: float = POSITION_DECAY,
                 lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted candidate-plus-bucket forward KL over all anchors' blocks of one sequence (only their first
     lengths[n] positions, where given), and stats."""
