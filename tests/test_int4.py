@@ -2,6 +2,7 @@
 weight, and every method stays exact on a target whose linears run on it."""
 
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from treeflash import DraftTree, Target, generate
 from treeflash.drafters import make_drafter
-from treeflash.runtime.gguf_int4 import int4_linear, int4_parts
+from treeflash.runtime.gguf_int4 import GGUFWeights, int4_linear, int4_parts, read_cache, write_cache
 from treeflash.runtime.int4 import Int4Linear, Int4Weight, dequantise, quantise, quantise_model
 from treeflash.tree import random_tree
 
@@ -159,6 +160,53 @@ def test_methods_match_ar_on_an_int4_target(seed):
         assert generate(target, make_drafter("pld"), prompt, 40, budget=budget).tokens == ar
         oracle = OracleTreeDrafter(ar, len(prompt), 96, seed=seed)
         assert generate(target, oracle, prompt, 40, budget=budget).tokens == ar
+
+
+def test_the_cache_of_4bit_weights_reads_back_what_it_saved_and_refuses_what_does_not_fit(tmp_path, caplog):
+    """A GGUF's 4-bit weights saved by `write_cache` read back bit for bit, with the report; a file for other
+    products' dtype, for a model without those modules, or damaged, reads as None (the GGUF is read again)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    linears = {}
+    for i, (name, kind) in enumerate((("0", "Q4_1"), ("1", "Q8_0"))):
+        parts = [Int4Weight.from_ints(*quantise(torch.randn(model[i].out_features, model[i].in_features)),
+                                      torch.bfloat16) for _ in range(1 if kind == "Q4_1" else 2)]
+        linears[name] = (kind, parts)
+    report = GGUFWeights(quantised=Counter({"Q4_1": 1, "Q8_0": 1}), dense=Counter({"Q6_K": 3}), int4_bytes=1234)
+    path = tmp_path / "int4.safetensors"
+    write_cache(path, linears, report)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # written whole, then renamed
+    read, read_report = read_cache(path, model, torch.bfloat16)
+    assert read_report == report
+    assert read.keys() == linears.keys()
+    for name, (kind, parts) in linears.items():
+        assert read[name][0] == kind and len(read[name][1]) == len(parts)
+        for a, b in zip(parts, read[name][1]):
+            assert torch.equal(a.packed, b.packed) and torch.equal(a.scale_zeros, b.scale_zeros)
+    assert read_cache(path, model, torch.float32) is None  # the scales are in the products' dtype
+    assert read_cache(path, torch.nn.Sequential(torch.nn.Linear(64, 32)), torch.bfloat16) is None
+    path.write_bytes(path.read_bytes()[:1000])
+    assert read_cache(path, model, torch.bfloat16) is None
+    assert "reading the GGUF again" in caplog.text
+
+
+@pytest.mark.real
+def test_a_later_start_reads_the_cached_4bit_weights_instead_of_the_gguf(tmp_path, monkeypatch):
+    """The first load of the embedded GGUF on the int4 kernel caches its 4-bit weights; a later load takes them
+    from the cache without opening the GGUF, and the model is the same: the same weights, logits and report."""
+    from treeflash.runtime import gguf_int4, target as target_module
+
+    monkeypatch.setattr(target_module, "int4_cache_file", lambda gguf, dtype: tmp_path / "int4.safetensors")
+    first = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="gguf")
+    assert (tmp_path / "int4.safetensors").exists()
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the GGUF was read again")
+    monkeypatch.setattr(gguf_int4, "GGUFReader", unread)
+    second = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="gguf")
+    assert second.weights == first.weights
+    ids = first.encode_prompt("What is 7 times 8?")
+    logits = [t.prefill(ids).logits for t in (first, second)]
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.real

@@ -168,17 +168,19 @@ def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, w
     of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights(layer, dense)`), for forwards of one
     sequence (`sequences` 1) or of any number (2): loaded from the cache, or built first (`aoti.package`: one per
     model shape, form and machine). Called as `Layer.forward`."""
-    _register_lowering()
     key = (shape, eps, str(dtype), aoti.shapes(weights), sequences, dense, Path(__file__).read_bytes())
     auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
     dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
             {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}, None, None,
             (None,) * (len(weights) - 2))  # the two norms, then the products' tensors
+
+    def export() -> torch.export.ExportedProgram:
+        _register_lowering()  # only to build a package: importing inductor's lowerings takes 1-2 s of a start
+        return aoti.export_sized(Layer(shape, eps, dense), example_inputs(shape, weights, dtype, sequences), dims)
     # realize the rotated q|k once: below inductor's default threshold (4 reads) q's rotation was inlined into the
     # scores' reduction and computed again for every attended position (a 2-4 row layer 5-10 % slower at 256
     # positions, 10-15 % at 512)
-    run = aoti.package("layer", key, lambda: aoti.export_sized(Layer(shape, eps, dense), example_inputs(
-        shape, weights, dtype, sequences), dims), inductor={"realize_reads_threshold": 3})
+    run = aoti.package("layer", key, export, inductor={"realize_reads_threshold": 3})
 
     def layer(*args: torch.Tensor) -> torch.Tensor:
         return run(*args)[0]

@@ -86,12 +86,22 @@ def embedded_gguf(name: str) -> Path:
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 
+def _copy_folder(gguf: Path) -> Path:
+    return cache_dir() / "targets" / f"{gguf.stem}-{gguf.stat().st_size}"
+
+
+def int4_cache_file(gguf: Path, dtype: torch.dtype) -> Path:
+    """Where the GGUF's 4-bit weights in the int4 kernel's layout for `dtype` products are cached
+    (`gguf_int4.install`): beside its dequantised copy, named by the torch version that packed them."""
+    return _copy_folder(gguf) / f"int4-{str(dtype).removeprefix('torch.')}-torch{torch.__version__}.safetensors"
+
+
 def _dequantised_copy(gguf: Path) -> Path:
     """Load a GGUF once, save the dequantised fp32 weights as safetensors, and return that folder.
 
     transformers takes ~20 s to dequantise SmolLM2's GGUF; the safetensors copy loads in well under a second.
     """
-    folder = cache_dir() / "targets" / f"{gguf.stem}-{gguf.stat().st_size}"
+    folder = _copy_folder(gguf)
     if (folder / "config.json").exists():
         return folder
     with open(gguf, "rb") as f:

@@ -21,8 +21,8 @@ from ..tree import DraftTree
 from . import int4
 from .gguf_int4 import GGUFWeights, install as install_gguf
 from .hf import HFRuntime
-from .loading import (COMPILE, DEFAULT_TARGET, QUANTIZE, RUNTIMES, TargetError, default_device, gguf_file, resolve,
-                      resolve_dtype, set_inductor_cache)
+from .loading import (COMPILE, DEFAULT_TARGET, QUANTIZE, RUNTIMES, TargetError, default_device, gguf_file,
+                      int4_cache_file, resolve, resolve_dtype, set_inductor_cache)
 from .output import TargetOutput
 from .static import StaticRuntime
 from .static_decoder import StaticDecoder, unsupported_reason
@@ -141,7 +141,7 @@ class Target:
         kernel = torch.bfloat16 if torch_dtype == torch.bfloat16 or dtype == "auto" else torch_dtype
         if gguf is not None and (quantize == "gguf" or (
                 quantize == "auto" and kernel == torch.bfloat16 and int4.available(device))):
-            weights = install_gguf(model, gguf, kernel)
+            weights = install_gguf(model, gguf, kernel, cache=int4_cache_file(gguf, kernel))
             log.info("%s: %s", gguf.name, weights)
         elif quantize == "int4":
             count = int4.quantise_model(model, torch_dtype)
