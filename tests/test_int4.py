@@ -162,9 +162,13 @@ def test_methods_match_ar_on_an_int4_target(seed):
         assert generate(target, oracle, prompt, 40, budget=budget).tokens == ar
 
 
-def test_the_cache_of_4bit_weights_reads_back_what_it_saved_and_refuses_what_does_not_fit(tmp_path, caplog):
+def test_the_cache_of_4bit_weights_reads_back_what_it_saved_and_refuses_what_does_not_fit(tmp_path, caplog,
+                                                                                          monkeypatch):
     """A GGUF's 4-bit weights saved by `write_cache` read back bit for bit, with the report; a file for other
-    products' dtype, for a model without those modules, or damaged, reads as None (the GGUF is read again)."""
+    products' dtype, for a model without those modules, made by other code, or damaged, reads as None (the GGUF
+    is read again)."""
+    from treeflash.runtime import gguf_int4
+
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
     linears = {}
     for i, (name, kind) in enumerate((("0", "Q4_1"), ("1", "Q8_0"))):
@@ -184,6 +188,9 @@ def test_the_cache_of_4bit_weights_reads_back_what_it_saved_and_refuses_what_doe
             assert torch.equal(a.packed, b.packed) and torch.equal(a.scale_zeros, b.scale_zeros)
     assert read_cache(path, model, torch.float32) is None  # the scales are in the products' dtype
     assert read_cache(path, torch.nn.Sequential(torch.nn.Linear(64, 32)), torch.bfloat16) is None
+    with monkeypatch.context() as m:
+        m.setattr(gguf_int4, "cache_format", lambda: "made by other code")
+        assert read_cache(path, model, torch.bfloat16) is None
     path.write_bytes(path.read_bytes()[:1000])
     assert read_cache(path, model, torch.bfloat16) is None
     assert "reading the GGUF again" in caplog.text

@@ -16,6 +16,7 @@ activations' dtype (bf16 rounds them to 8 significant bits: within the named tol
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import int4
 from .int4 import GROUP, Int4Linear, Int4Weight
 
 log = logging.getLogger(__name__)
@@ -126,7 +128,7 @@ def install(model: nn.Module, gguf: Path | str, dtype: torch.dtype, cache: Path 
     embedding table as its `weight` for row readers). In place; returns what was kept and what stayed dense.
 
     `cache`: a file of the 4-bit weights this makes, read instead of the GGUF where it is valid, else written (the
-    kernel's packed layout may change with torch: the caller names the file by its version). Parsing the GGUF
+    kernel's packed layout may change with torch: the caller names the file by its version; `cache_format`). Parsing the GGUF
     and mapping its tensor names onto the model's took 9-10 of a 22 s start of `treeflash generate` on 2 cores;
     the cache loads in a fraction of a second."""
     found = read_cache(cache, model, dtype) if cache is not None and Path(cache).exists() else None
@@ -179,7 +181,11 @@ def read_gguf(model: nn.Module, gguf: Path | str, dtype: torch.dtype) -> tuple[L
     return linears, report
 
 
-CACHE_FORMAT = "1"  # of the cache file's metadata; a file of another format is made again
+def cache_format() -> str:
+    """What a cache file was made by: this module's source and int4.py's (which packs the blocks), hashed. A file
+    made by other code is made again, as a compiled package is (`aoti.py`)."""
+    sources = Path(__file__).read_bytes() + Path(int4.__file__).read_bytes()
+    return hashlib.sha256(sources).hexdigest()[:16]
 
 
 def write_cache(path: Path | str, linears: Linears, report: GGUFWeights) -> None:
@@ -190,7 +196,7 @@ def write_cache(path: Path | str, linears: Linears, report: GGUFWeights) -> None
         layout[name] = [kind, len(parts), parts[0].group]
         for i, part in enumerate(parts):
             tensors[f"{name}/{i}/packed"], tensors[f"{name}/{i}/scale_zeros"] = part.packed, part.scale_zeros
-    meta = {"format": CACHE_FORMAT, "linears": json.dumps(layout), "kernel_dtype": report.kernel_dtype,
+    meta = {"format": cache_format(), "linears": json.dumps(layout), "kernel_dtype": report.kernel_dtype,
             "report": json.dumps({"quantised": report.quantised, "dense": report.dense,
                                   "int4_bytes": report.int4_bytes})}
     path, tmp = Path(path), None
@@ -213,7 +219,7 @@ def read_cache(path: Path | str, model: nn.Module, dtype: torch.dtype) -> tuple[
         tensors = load_file(str(path))
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-        if meta.get("format") != CACHE_FORMAT or meta.get("kernel_dtype") != str(dtype).removeprefix("torch."):
+        if meta.get("format") != cache_format() or meta.get("kernel_dtype") != str(dtype).removeprefix("torch."):
             return None
         modules = dict(model.named_modules())
         linears = {}
