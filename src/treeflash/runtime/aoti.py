@@ -42,7 +42,8 @@ def package(name: str, key: tuple, export: Callable[[], torch.export.ExportedPro
         if not path.exists():
             from torch import _inductor  # (imported only to build: 1-2 s of a start on 2 cores)
 
-            log.info("compiling %s ahead of time (once per model and machine): %s", name, path)
+            # shown by the command line (as the GGUF's dequantising): a first start is silent for a minute otherwise
+            log.warning("compiling %s ahead of time, once per model and machine (10-30 s on 2 cores): %s", name, path)
             program = export()
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
