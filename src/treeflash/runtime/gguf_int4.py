@@ -30,7 +30,7 @@ import torch
 from gguf import GGMLQuantizationType as Q, GGUFReader
 from gguf.quants import Q4_K
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from . import int4
@@ -128,9 +128,9 @@ def install(model: nn.Module, gguf: Path | str, dtype: torch.dtype, cache: Path 
     embedding table as its `weight` for row readers). In place; returns what was kept and what stayed dense.
 
     `cache`: a file of the 4-bit weights this makes, read instead of the GGUF where it is valid, else written (the
-    kernel's packed layout may change with torch: the caller names the file by its version; `cache_format`). Parsing the GGUF
-    and mapping its tensor names onto the model's took 9-10 of a 22 s start of `treeflash generate` on 2 cores;
-    the cache loads in a fraction of a second."""
+    kernel's packed layout may change with torch: the caller names the file by its version; `cache_format`).
+    Parsing the GGUF and mapping its tensor names onto the model's took 9-10 of a 22 s start of `treeflash
+    generate` on 2 cores; the cache loads in a fraction of a second."""
     found = read_cache(cache, model, dtype) if cache is not None and Path(cache).exists() else None
     linears, report = found or read_gguf(model, gguf, dtype)
     if cache is not None and found is None:
@@ -216,18 +216,18 @@ def read_cache(path: Path | str, model: nn.Module, dtype: torch.dtype) -> tuple[
     """`write_cache`'s file, or None where it does not fit this model and dtype (or cannot be read): then the
     GGUF is read again."""
     try:
-        tensors = load_file(str(path))
-        with safe_open(str(path), "pt") as f:
+        with safe_open(str(path), "pt") as f:  # the metadata first: a file that does not fit is not loaded
             meta = f.metadata() or {}
-        if meta.get("format") != cache_format() or meta.get("kernel_dtype") != str(dtype).removeprefix("torch."):
-            return None
-        modules = dict(model.named_modules())
-        linears = {}
-        for name, (kind, count, group) in json.loads(meta["linears"]).items():
-            if name not in modules:
+            if meta.get("format") != cache_format() or meta.get("kernel_dtype") != str(dtype).removeprefix("torch."):
                 return None
-            linears[name] = (kind, [Int4Weight(tensors[f"{name}/{i}/packed"], tensors[f"{name}/{i}/scale_zeros"],
-                                               group) for i in range(count)])
+            modules = dict(model.named_modules())
+            linears = {}
+            for name, (kind, count, group) in json.loads(meta["linears"]).items():
+                if name not in modules:
+                    return None
+                linears[name] = (kind, [Int4Weight(f.get_tensor(f"{name}/{i}/packed"),
+                                                   f.get_tensor(f"{name}/{i}/scale_zeros"), group)
+                                        for i in range(count)])
         counts = json.loads(meta["report"])
     except (OSError, KeyError, ValueError, SafetensorError) as err:
         log.warning("ignoring the cached 4-bit weights at %s (%s): reading the GGUF again", path, err)
