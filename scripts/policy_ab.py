@@ -32,7 +32,11 @@ def old_policy_class(rev: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules["old_speculation"] = module
     spec.loader.exec_module(module)
-    return module.Policy
+    if hasattr(module.Policy, "adapter_pays"):
+        return module.Policy
+    # before the policy chose the build: every drafting round ran the drafter's adapter
+    return type("Policy", (module.Policy,), {"adapter_pays": lambda self, reach: True,
+                                             "observe_build": lambda self, adapter, reach, seconds: None})
 
 
 def main() -> None:
@@ -60,18 +64,26 @@ def main() -> None:
         generate(target, drafter, prompts[0], 8, sampling, seed=0)
     tokens = {name: 0 for name in engines}
     seconds = {name: 0.0 for name in engines}
+    rounds = {name: [0, 0, 0] for name in engines}  # rounds, drafted rounds, drafted rounds with an adapter call
     for repeat in range(args.repeats):
         for i, prompt in enumerate(prompts):
             for name, drafter in engines.items():
                 out = generate(target, drafter, prompt, args.max_new_tokens, sampling, seed=i + repeat * len(prompts))
                 tokens[name] += len(out.tokens)
                 seconds[name] += out.seconds
+                for i, n in enumerate((len(out.rounds), sum(r.drafted for r in out.rounds),
+                                       sum(r.adapter_calls > 0 for r in out.rounds))):
+                    rounds[name][i] += n
     rate = {name: tokens[name] / seconds[name] for name in engines}
+    drafted = {name: n[1] / max(n[0], 1) for name, n in rounds.items()}
+    adapted = {name: n[2] / max(n[1], 1) for name, n in rounds.items()}
     report = {"old": args.old, "dataset": args.dataset, "temperature": args.temperature, "prompts": len(prompts),
               "repeats": args.repeats, "tokens_per_second": rate,
-              "vs_ar": {name: rate[name] / rate["ar"] for name in engines}}
+              "vs_ar": {name: rate[name] / rate["ar"] for name in engines},
+              "drafted_share": drafted, "adapter_share_of_drafted": adapted}
     for name in engines:
-        print(f"{name:<16} {rate[name]:8.2f} tok/s  {report['vs_ar'][name]:.3f}x ar")
+        print(f"{name:<16} {rate[name]:8.2f} tok/s  {report['vs_ar'][name]:.3f}x ar  drafted {drafted[name]:6.1%}"
+              f"  with the adapter {adapted[name]:6.1%}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 

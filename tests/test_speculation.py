@@ -192,6 +192,26 @@ def test_a_cold_first_drafting_time_does_not_lock_drafting_out():
     assert policy.draft_s == 0.005 and policy.should_draft()
 
 
+def test_an_adapter_builds_only_where_it_pays_for_its_time():
+    """Each build is timed once at each reach (the first drafting round, cold, not counted); then the adapter runs
+    where ADAPTER_GAIN of the round's expected tokens is worth more than its extra time at the achieved rate."""
+    policy = Policy(costs(1.0), 16)
+    policy.tokens, policy.seconds = 1.0, 0.01  # 100 tokens/s
+    policy.choose([DraftTree.chain(0, [1, 2, 3], probs=[0.9] * 3)])  # about 3.2 tokens expected a round
+    assert not policy.adapter_pays(4)  # nothing timed: the backbone's own tree first
+    policy.observe_build(False, 4, 0.5)  # the first drafting round (lazy initialisation): not counted
+    policy.draft_s = 0.001
+    assert not policy.adapter_pays(4)
+    policy.observe_build(False, 4, 0.001)
+    assert policy.adapter_pays(4)  # then the adapter's
+    policy.observe_build(True, 4, 0.0035)
+    assert not policy.adapter_pays(4)  # 2.5 ms more at 100 tokens/s: 0.25 tokens, more than 6 % of 3.2
+    assert not policy.adapter_pays(8)  # another reach is timed afresh
+    policy.observe_build(False, 8, 0.001)
+    policy.observe_build(True, 8, 0.0012)
+    assert policy.adapter_pays(8)  # 0.2 ms more: 0.02 tokens, it pays
+
+
 class FakeClock:
     """Time that moves only by a cost model: a verification of n tokens takes `verify_ms(n)`, a drafting call
     `draft_ms(verifications so far)`. The engine's and the policy's clocks read it, so that no decision of a
@@ -279,6 +299,38 @@ def test_auto_budget_is_lossless(tiny, regime, monkeypatch):
                 assert max(r.tree_size for r in result.rounds) == 16  # whole trees pay
             if isinstance(drafter, OracleTreeDrafter) and regime == "ar-then-drafting":
                 assert drafted_after_ar_rounds(result.rounds) >= 1
+
+
+@pytest.mark.parametrize("extra_ms", [0.0, 5.0])
+def test_auto_budget_builds_with_the_adapter_only_where_it_pays(extra_ms, monkeypatch):
+    """A TreeFlash drafter under --budget auto, its AR layer free or dear, every round drafting: each build is
+    tried at each reach, then the free one always runs and the dear one never does; the tokens are AR's either
+    way."""
+    from test_treeflash import treeflash_drafter
+
+    target = tiny_target("qwen3")
+    drafter = block_drafter(treeflash_drafter(target), "treeflash")
+    prompt = repetitive_prompt(random.Random(5), 96)
+    ar = generate(target, make_drafter("ar"), prompt, 60).tokens
+    clock = FakeClock(monkeypatch, target, drafter, lambda n: 10 + 0.01 * n, lambda verified: 0.1)
+    monkeypatch.setattr("treeflash.drafters.block.now", clock.now)  # the drafter's forward takes no time
+    monkeypatch.setattr(Policy, "should_draft", lambda self: True)  # (a random drafter would not pay)
+    builds, propose = [], drafter.propose
+
+    def spy(tokens, features, budget, adapter=True):
+        builds.append((budget, adapter))
+        clock.t += extra_ms / 1e3 * adapter
+        return propose(tokens, features, budget, adapter=adapter)
+    monkeypatch.setattr(drafter, "propose", spy)
+    result = generate(target, drafter, prompt, 60, budget="auto", max_budget=16)
+    assert result.tokens == ar
+    seen = {16: -1}  # the first round, cold, is not timed
+    settled = []  # the builds after both were timed at their reach
+    for budget, adapter in builds:
+        seen[budget] = seen.get(budget, 0) + 1
+        if seen[budget] > 2:
+            settled.append(adapter)
+    assert len(settled) >= 10 and all(settled) == (extra_ms == 0) and any(settled) == (extra_ms == 0)
 
 
 @pytest.mark.parametrize("method", ["ddtree", "dflash"])

@@ -57,6 +57,24 @@ def test_ar_layer_runs_once_on_all_pairs_whatever_the_budget():
         assert tree.size == budget
 
 
+def test_without_its_adapter_a_treeflash_drafter_drafts_ddtree_s_tree():
+    """`propose(..., adapter=False)` (cost-aware speculation's choice where the AR layer does not pay): the
+    backbone's best-first tree, the one ddtree drafts from the same block, and no AR-layer call."""
+    target = tiny_target("qwen3")
+    model = treeflash_drafter(target)
+    treeflash, ddtree = block_drafter(model, "treeflash"), block_drafter(model, "ddtree")
+    prompt = repetitive_prompt(random.Random(0), 96)
+    features = torch.randn(len(prompt), 2, 64)
+    for budget in (2, 6, 16):
+        trees = []
+        for drafter, adapter in ((treeflash, False), (ddtree, True), (treeflash, True)):
+            drafter.reset()
+            trees.append(drafter.propose(prompt + [5], features, budget, adapter=adapter))
+        assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+        assert trees[0].tokens != trees[2].tokens or trees[0].parents != trees[2].parents  # the AR layer's tree
+    assert treeflash.adapter_calls == 3 and treeflash.adapts and not ddtree.adapts
+
+
 @pytest.mark.parametrize("method", ["dflash", "ddtree", "treeflash", "tfm"])
 def test_builders_see_only_the_depths_a_tree_of_the_budget_reaches(method):
     """`BlockDrafter.tree` hands the builder the first B depths of a B-node tree: the tree it would grow from all."""

@@ -121,6 +121,7 @@ class BatchDrafter:
 
     def __init__(self, drafter: Drafter):
         self.drafter, self.name, self.taps, self.drafts = drafter, drafter.name, drafter.taps, drafter.drafts
+        self.adapts = getattr(drafter, "adapts", False)
         self.lanes: list[Drafter] = []
 
     def add(self) -> None:
@@ -133,12 +134,12 @@ class BatchDrafter:
         self.lanes.pop()
 
     @torch.no_grad()
-    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]:
+    def propose(self, seqs: list[Sequence], budgets: list[int], adapter: bool = True) -> list[DraftTree]:
         batched = getattr(self.drafter, "propose_batch", None)
-        if batched is None:
+        if batched is None:  # (only block drafters have an adapter to skip)
             trees = [lane.propose(s.tokens, s.features, b) for lane, s, b in zip(self.lanes, seqs, budgets)]
         else:
-            trees = batched(self.lanes, [s.tokens for s in seqs], [s.features for s in seqs], budgets)
+            trees = batched(self.lanes, [s.tokens for s in seqs], [s.features for s in seqs], budgets, adapter)
         for s in seqs:
             s.features = None
         return trees

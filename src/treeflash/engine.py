@@ -136,11 +136,13 @@ class Verifier(Protocol):
 class Lanes(Protocol):
     """What a round needs from the drafter: B trees, one per sequence, each from the committed positions it has
     not seen yet (`Sequence.features`, cleared once read). `BatchDrafter` drafts a batch, `OneLane` one sequence.
-    `counters`: the drafters' cumulative (forward seconds, adapter calls), as `Drafter` keeps them."""
+    `counters`: the drafters' cumulative (forward seconds, adapter calls), as `Drafter` keeps them. `adapts`: the
+    drafter's builder runs an adapter that `propose(..., adapter=False)` skips (`BlockDrafter.plain`)."""
 
     drafts: bool
+    adapts: bool
 
-    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]: ...
+    def propose(self, seqs: list[Sequence], budgets: list[int], adapter: bool = True) -> list[DraftTree]: ...
     def counters(self) -> tuple[float, int]: ...
 
 
@@ -166,10 +168,12 @@ class OneLane:
 
     def __init__(self, drafter: Drafter):
         self.drafter, self.drafts = drafter, drafter.drafts
+        self.adapts = getattr(drafter, "adapts", False)
 
-    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]:
+    def propose(self, seqs: list[Sequence], budgets: list[int], adapter: bool = True) -> list[DraftTree]:
         (seq,), (budget,) = seqs, budgets
-        tree = self.drafter.propose(seq.tokens, seq.features, budget)
+        args = seq.tokens, seq.features, budget
+        tree = self.drafter.propose(*args) if adapter else self.drafter.propose(*args, adapter=False)
         seq.features = None
         return [tree]
 
@@ -209,12 +213,15 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
     counted = lanes.counters()
     context = max(len(s.tokens) for s in seqs)  # what the trees attend to (the policy prices their verification)
     if drafted:
-        trees = lanes.propose(seqs, [min(budget, policy.reach) if policy else budget] * len(seqs))
+        reach = min(budget, policy.reach) if policy else budget
+        adapter = not (policy and lanes.adapts) or policy.adapter_pays(reach)
+        trees = lanes.propose(seqs, [reach] * len(seqs), adapter)
         if policy:
             trees = policy.choose(trees, context)
     else:  # plain AR steps: the drafters' contexts catch up at their next call
         trees = [DraftTree.chain(s.tokens[-1]) for s in seqs]
     t1 = _host()
+    forward_s, calls = (after - before for after, before in zip(lanes.counters(), counted))
     outs = verifier.verify(trees)
     picks = [accept(t, o.logits, s, g) for t, o, s, g in zip(trees, outs, samplings, generators)]
     paths = [path for path, _ in picks]
@@ -225,11 +232,12 @@ def run_round(verifier: Verifier, lanes: Lanes, seqs: list[Sequence], samplings:
         seq.add_features(out.hidden, path)
         new.append([tree.tokens[i] for i in path[1:]] + [bonus])
     if policy:
+        if drafted and lanes.adapts:  # the tree build's time, without the drafter's forward
+            policy.observe_build(adapter, reach, t1 - t0 - forward_s)
         policy.observe(trees, paths, sum(map(len, new)), t1 - t0, t2 - t1, drafted, context)
     t3 = _host()  # the round's bookkeeping is part of its time (what bench's tokens per second count)
     expected = [len(n) if s.greedy else expected_accepted(t, o.logits, s)  # a measure: not timed
                 for n, t, o, s in zip(new, trees, outs, samplings)]
-    forward_s, calls = (after - before for after, before in zip(lanes.counters(), counted))
     return Outcome(new, trees, expected, t1 - t0, t3 - t1, drafted, forward_s, calls)
 
 

@@ -239,6 +239,11 @@ class Policy:
     # that gets easier doubles the reach every round that chooses all of it, and it decays by REACH_DECAY a round
     MIN_REACH = 4
     REACH_DECAY = 0.75
+    # what an adapter (TreeFlash's AR layer, the Weaver) adds to a tree's expected tokens over the backbone's own
+    # best-first tree of the same size: TreeFlash over DDTree 5-6 % at 4 nodes, 7-11 % at 8 (docs/results/
+    # treeflash-top-n). A round builds with the adapter only when that is worth its build's extra time at the
+    # achieved rate: on a 2-core CPU the AR layer's call costs a quarter of an AR step at 4 nodes, and never pays
+    ADAPTER_GAIN = 0.06
 
     def __init__(self, costs: VerifyCosts | BatchCosts, max_budget: int):
         self.costs = costs if isinstance(costs, BatchCosts) else BatchCosts({1: costs})
@@ -253,6 +258,8 @@ class Policy:
         self.drawdown = 0.0  # seconds the rounds predicted to pay lost since their best point (<= 0; see LOSS_CAP)
         self.step = self.costs(1)  # seconds of a plain AR step (of the last round's batch)
         self.probe_loss: float | None = None  # EMA of the seconds a probe lost against AR steps
+        self.builds: dict[tuple[bool, int], float] = {}  # EMA seconds of a tree build, by (adapter, reach)
+        self.round_tokens: float | None = None  # EMA of a drafted round's expected committed tokens per sequence
 
     @property
     def rate(self) -> float:
@@ -267,6 +274,21 @@ class Policy:
             self.gain, self.drawdown = 0.0, 0.0  # it did not pay: the next drafting round is a probe
         # a probe: the text may have become easier to draft
         return self.skipped >= self.PROBE_GAP and self.credit >= max(self.probe_loss or 0.0, 0.0)
+
+    def adapter_pays(self, reach: int) -> bool:
+        """Whether a round that drafts `reach` nodes builds its tree with the drafter's adapter: when what the
+        adapter adds (ADAPTER_GAIN of the round's expected tokens) is worth more, at the achieved rate, than the
+        time its build takes over the backbone's own tree. Each build is timed at each reach first, the cheap one
+        first (a dear first build would keep a CPU's policy from drafting long before it tried the other)."""
+        adapted, plain = self.builds.get((True, reach)), self.builds.get((False, reach))
+        if adapted is None or plain is None:
+            return plain is not None
+        return (adapted - plain) * self.rate < self.ADAPTER_GAIN * (self.round_tokens or 1.0)
+
+    def observe_build(self, adapter: bool, reach: int, seconds: float) -> None:
+        """A drafting round's tree build (with the adapter or without) of `reach` nodes took `seconds`."""
+        if self.draft_s is not None:  # the first drafting round pays for lazy initialisation: not counted
+            self.builds[adapter, reach] = _ema(self.builds.get((adapter, reach)), seconds)
 
     def choose(self, trees: list[DraftTree], context: int | None = None) -> list[DraftTree]:
         """The prefixes of `trees` (one per sequence of a batch, verified in one forward, padded to the largest,
@@ -285,6 +307,7 @@ class Policy:
         net = [e - rate * c for e, c in zip(expected, self.costs.table(size + 1, len(trees), context))]
         n = max(range(size + 1), key=net.__getitem__)  # the first of equal maxima, as argmax
         gain = net[n] - net[0]
+        self.round_tokens = _ema(self.round_tokens, expected[n] / len(trees))
         self.reach = min(self.max_budget, max(self.MIN_REACH, 2 * n, int(self.REACH_DECAY * self.reach)))
         # a probe after AR rounds judges the text as it is now: the average of the drafted rounds is stale
         self.gain = gain if self.skipped else _ema(self.gain, gain)

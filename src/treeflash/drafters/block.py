@@ -27,8 +27,11 @@ class BlockDrafter:
 
     drafts = True
 
-    def __init__(self, model, builder, name: str):
+    def __init__(self, model, builder, name: str, plain=None):
         self.model, self.builder, self.name = model.eval(), builder, name
+        # the backbone's own best-first tree (DDTree's), which cost-aware speculation builds instead where the
+        # builder's adapter (TreeFlash's AR layer, the Weaver) costs more than it adds (`Policy.adapter_pays`)
+        self.plain = plain
         self.taps = tuple(model.config.target_layer_ids)
         self.sampling, self.generator = Sampling(), None  # what the drafts are for (see `follow`)
         self.forward_s = 0.0  # cumulative, across sequences: time in the drafter's forward (for `bench`)
@@ -45,6 +48,11 @@ class BlockDrafter:
         """Draft for a sequence sampled with `sampling`, drawing any random drafts from `generator` (dflash2 samples
         its chain at T > 0; the other builders' trees are deterministic). Alone, a drafter drafts for T = 0."""
         self.sampling, self.generator = sampling, generator
+
+    @property
+    def adapts(self) -> bool:
+        """Whether its builder runs an adapter that a round may skip (`propose(..., adapter=False)`)."""
+        return self.plain is not None
 
     @property
     def ctx_len(self) -> int:
@@ -70,14 +78,14 @@ class BlockDrafter:
         return h
 
     @torch.no_grad()
-    def propose(self, tokens, features, budget) -> DraftTree:
+    def propose(self, tokens, features, budget, adapter: bool = True) -> DraftTree:
         # a tree of B nodes is at most B deep: the block's first B drafted positions are all it reads
-        return self.tree(tokens, self.draft(tokens, features, max(budget, 1)), budget)
+        return self.tree(tokens, self.draft(tokens, features, max(budget, 1)), budget, adapter)
 
     @staticmethod
     @torch.no_grad()
     def propose_batch(lanes: list[BlockDrafter], tokens: list[list[int]], features: list[torch.Tensor | None],
-                      budgets: list[int]) -> list[DraftTree]:
+                      budgets: list[int], adapter: bool = True) -> list[DraftTree]:
         """`propose` for several sequences, each with its lane (a copy of one drafter: the same model, its own
         context): their new positions in one projection, the drafter's forward over all of them at once."""
         new = [(lane, f) for lane, f in zip(lanes, features) if f is not None and len(f)]
@@ -86,14 +94,16 @@ class BlockDrafter:
         for lane, t in zip(lanes, tokens):
             assert lane.ctx_len == len(t) - 1, "the drafter's context must cover every committed position"
         h = lanes[0].model.draft_states_batch([t[-1] for t in tokens], [lane.context for lane in lanes])
-        return [lane.tree(t, h[b], budgets[b]) for b, (lane, t) in enumerate(zip(lanes, tokens))]
+        return [lane.tree(t, h[b], budgets[b], adapter) for b, (lane, t) in enumerate(zip(lanes, tokens))]
 
     @torch.no_grad()
-    def tree(self, tokens: list[int], h: torch.Tensor, budget: int) -> DraftTree:
+    def tree(self, tokens: list[int], h: torch.Tensor, budget: int, adapter: bool = True) -> DraftTree:
         """The round's tree from the drafter's states h [γ - 1, H] of the block after the root tokens[-1]. A tree of
         B draft nodes is at most B deep, so the builder sees the first B depths only: the same tree, and the
-        small trees of cost-aware speculation score, condition and weave a few depths instead of γ - 1."""
-        tree, calls = self.builder(self, tokens, h[:max(budget, 1)], budget)
+        small trees of cost-aware speculation score, condition and weave a few depths instead of γ - 1.
+        `adapter` False: the backbone's own tree, without the builder's adapter (`plain`)."""
+        builder = self.builder if adapter or self.plain is None else self.plain
+        tree, calls = builder(self, tokens, h[:max(budget, 1)], budget)
         self.adapter_calls += calls
         return tree
 
@@ -112,17 +122,15 @@ def block_drafter(model, method: str, *, top_m: int = 32, top_n: int = 512, weav
         if model.ar_layer is None:
             raise DrafterError("method treeflash needs a TreeFlash drafter (with an AR layer): "
                                "train one with `treeflash train treeflash`")
-        builder = TreeFlash(model.ar_layer, top_m, top_n)
-    elif method == "tfm":
+        return BlockDrafter(model, TreeFlash(model.ar_layer, top_m, top_n), method, plain=BestFirst())
+    if method == "tfm":
         if weaver is None:
             raise DrafterError("method tfm needs a Weaver trained on this drafter (`treeflash train weaver`)")
-        builder = Weave(weaver.attach(model), width)
-    else:
-        builders = {"dflash": Chain, "ddtree": BestFirst, "dflash2": SelectorChain, "dflash2-tree": SelectorTree}
-        if method not in builders:
-            raise KeyError(f"{method!r} is not a block drafting method")
-        builder = builders[method]()
-    return BlockDrafter(model, builder, method)
+        return BlockDrafter(model, Weave(weaver.attach(model), width), method, plain=BestFirst())
+    builders = {"dflash": Chain, "ddtree": BestFirst, "dflash2": SelectorChain, "dflash2-tree": SelectorTree}
+    if method not in builders:
+        raise KeyError(f"{method!r} is not a block drafting method")
+    return BlockDrafter(model, builders[method](), method)
 
 
 @torch.no_grad()
