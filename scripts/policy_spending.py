@@ -2,21 +2,23 @@
 dataset's first prompts (as `bench` takes them), every drafted round logged as predicted to pay or as a probe, with
 the time it lost against the plain AR steps that would have committed its tokens.
 
-    python scripts/policy_spending.py METHOD DATASET [LIMIT [DRAFTER]]      # e.g. dflash mbpp
+    python scripts/policy_spending.py METHOD DATASET [--limit N] [--drafter FOLDER] [--temperature T]
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from treeflash.drafters import make_drafter
 from treeflash.engine import generate
 from treeflash.eval.datasets import load_prompts
 from treeflash.runtime import Target
 from treeflash.speculation import policy_for
+from treeflash.verify import Sampling
 
 
-def main(method: str, dataset: str, limit: int = 10, drafter_path: str | None = None) -> None:
+def main(method: str, dataset: str, limit: int = 10, drafter_path: str | None = None,
+         temperature: float = 0.0) -> None:
     target = Target.load(dtype="auto", compile="auto")  # the command line's defaults
     drafter = make_drafter(method, target, drafter_path)
     generate(target, drafter, target.encode_prompt("Hello"), 16)  # warm-up; makes the policy
@@ -37,10 +39,11 @@ def main(method: str, dataset: str, limit: int = 10, drafter_path: str | None = 
         return observe(trees, paths, committed, draft_s, verify_s, drafted, context)
 
     policy.should_draft, policy.observe = logged_should_draft, logged_observe
-    total = sum(generate(target, drafter, target.encode_prompt(p), 128).seconds
-                for p in load_prompts(dataset, limit=limit))
+    sampling = Sampling(temperature=temperature)
+    total = sum(generate(target, drafter, target.encode_prompt(p), 128, sampling, seed=i).seconds
+                for i, p in enumerate(load_prompts(dataset, limit=limit)))
     step = policy.costs(1)
-    print(f"{method} on {dataset} ({limit} prompts, 128 tokens): {len(log)} rounds, {total:.2f} s, "
+    print(f"{method} on {dataset} ({limit} prompts, 128 tokens, T = {temperature}): {len(log)} rounds, {total:.2f} s, "
           f"AR step {step * 1e3:.2f} ms")
     for kind in ("ar", "pays", "probe"):
         rounds = [r for r in log if r["kind"] == kind]
@@ -56,5 +59,11 @@ def main(method: str, dataset: str, limit: int = 10, drafter_path: str | None = 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 10,
-         sys.argv[4] if len(sys.argv) > 4 else None)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("method")
+    p.add_argument("dataset")
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    args = p.parse_args()
+    main(args.method, args.dataset, args.limit, args.drafter, args.temperature)

@@ -179,13 +179,15 @@ def test_run_keeps_the_prompts_order_and_counts_committed_tokens():
 
 @pytest.mark.parametrize("per_token_ms", [0.01, 100.0])
 def test_auto_budget_batched_is_lossless(monkeypatch, per_token_ms):
-    """Whatever one batch-wide size the policy picks (whole trees, prefixes, AR rounds), tokens are AR's."""
+    """Whatever one batch-wide size the policy picks (whole trees, prefixes, AR rounds, a tree built with the
+    adapter or without), tokens are AR's."""
     target = tiny_target("qwen3")
     monkeypatch.setattr(treeflash.batching, "batch_costs",
                         lambda *a, **k: treeflash.speculation.BatchCosts({1: costs(per_token_ms)}))
     ps = prompts(target.config.vocab_size, 4, seed=6)
     ar = [generate(target, make_drafter("ar"), p, 24).tokens for p in ps]
     for drafter in (make_drafter("pld"), block_drafter(tiny_drafter(target, seed=1), "ddtree"),
+                    block_drafter(treeflash_drafter(target, seed=1), "treeflash", top_m=4),  # (its plain tree first)
                     Oracles({tuple(p): a for p, a in zip(ps, ar)}, target.config.vocab_size)):
         results = BatchEngine(target, drafter, max_batch=3).run(ps, 24)
         assert [r.tokens for r in results] == ar

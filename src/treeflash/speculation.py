@@ -12,7 +12,9 @@ Every round, `Policy` values a tree by its calibrated expected committed tokens 
 the engine achieves (the renewal-reward rule: a round is worth its tokens minus what its time would have earned at
 the current rate). Before drafting it also asks whether drafting pays at all: when the recent rounds' predicted
 gain over a plain AR step falls short of λ x the drafting time, it runs AR steps and skips the drafter, probing
-again as often as what probes lose allows (the drafter's context catches up at its next call).
+again as often as what probes lose allows (the drafter's context catches up at its next call). A drafter whose tree
+builder runs an adapter (TreeFlash's AR layer, the Weaver) builds with it only where its extra time is worth what it
+adds (`Policy.adapter_pays`), and otherwise from the backbone's marginals alone.
 
 Lossless whatever it decides: the tree depends only on the drafter and on past rounds, never on this round's
 target draws, and acceptance is the same exact rule on whatever tree is verified.
@@ -259,7 +261,7 @@ class Policy:
         self.step = self.costs(1)  # seconds of a plain AR step (of the last round's batch)
         self.probe_loss: float | None = None  # EMA of the seconds a probe lost against AR steps
         self.builds: dict[tuple[bool, int], float] = {}  # EMA seconds of a tree build, by (adapter, reach)
-        self.round_tokens: float | None = None  # EMA of a drafted round's expected committed tokens per sequence
+        self.round_tokens: float | None = None  # EMA of a drafted round's expected committed tokens (the batch's)
 
     @property
     def rate(self) -> float:
@@ -307,7 +309,7 @@ class Policy:
         net = [e - rate * c for e, c in zip(expected, self.costs.table(size + 1, len(trees), context))]
         n = max(range(size + 1), key=net.__getitem__)  # the first of equal maxima, as argmax
         gain = net[n] - net[0]
-        self.round_tokens = _ema(self.round_tokens, expected[n] / len(trees))
+        self.round_tokens = _ema(self.round_tokens, expected[n])
         self.reach = min(self.max_budget, max(self.MIN_REACH, 2 * n, int(self.REACH_DECAY * self.reach)))
         # a probe after AR rounds judges the text as it is now: the average of the drafted rounds is stale
         self.gain = gain if self.skipped else _ema(self.gain, gain)
