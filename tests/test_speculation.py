@@ -12,6 +12,7 @@ from treeflash.speculation import BatchCosts, Calibration, Policy, VerifyCosts, 
 from conftest import OracleTreeDrafter, tiny_target
 from test_dflash import tiny_drafter
 from test_lossless import repetitive_prompt
+from test_treeflash import treeflash_drafter
 
 
 def costs(per_token_ms: float, base_ms: float = 10.0) -> VerifyCosts:
@@ -306,8 +307,6 @@ def test_auto_budget_builds_with_the_adapter_only_where_it_pays(extra_ms, monkey
     """A TreeFlash drafter under --budget auto, its AR layer free or dear, every round drafting: each build is
     tried at each reach, then the free one always runs and the dear one never does; the tokens are AR's either
     way."""
-    from test_treeflash import treeflash_drafter
-
     target = tiny_target("qwen3")
     drafter = block_drafter(treeflash_drafter(target), "treeflash")
     prompt = repetitive_prompt(random.Random(5), 96)
