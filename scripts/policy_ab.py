@@ -71,9 +71,9 @@ def main() -> None:
                 out = generate(target, drafter, prompt, args.max_new_tokens, sampling, seed=i + repeat * len(prompts))
                 tokens[name] += len(out.tokens)
                 seconds[name] += out.seconds
-                for i, n in enumerate((len(out.rounds), sum(r.drafted for r in out.rounds),
-                                       sum(r.adapter_calls > 0 for r in out.rounds))):
-                    rounds[name][i] += n
+                counts = (len(out.rounds), sum(r.drafted for r in out.rounds),
+                          sum(r.adapter_calls > 0 for r in out.rounds))
+                rounds[name] = [total + n for total, n in zip(rounds[name], counts)]
     rate = {name: tokens[name] / seconds[name] for name in engines}
     drafted = {name: n[1] / max(n[0], 1) for name, n in rounds.items()}
     adapted = {name: n[2] / max(n[1], 1) for name, n in rounds.items()}
