@@ -54,8 +54,12 @@ def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled, m
     rng = random.Random(0)
     assert compiled.static.compiled_rows == DENSE_COMPILED_ROWS and compiled.static.dense_layer
     assert 0 <= compiled.static.int4_rows <= COMPILED_ROWS  # measured on this machine
-    monkeypatch.setattr(compiled.static, "int4_rows", 3)  # both forms, whatever the machine
-    # the 4-bit kernel's layer, the dense copies' from 4 rows, eager again past the last compiled row count
+    monkeypatch.setattr(compiled.static, "int4_rows", 3)  # every form, whatever the machine
+    monkeypatch.setattr(compiled.static, "sdpa_rows", 2)
+    sdpa, rows_by_sdpa = compiled.static.sdpa_layer, set()
+    monkeypatch.setattr(compiled.static, "sdpa_layer", lambda x, *args: rows_by_sdpa.add(x.shape[1]) or sdpa(x, *args))
+    # the 4-bit kernel's layer (its own attention for 1 row, SDPA's for 2-3), the dense copies' from 4 rows, eager
+    # again past the last compiled row count
     for n in [1, 2, 3, 4, 5, 9, 17, DENSE_COMPILED_ROWS, DENSE_COMPILED_ROWS + 1]:
         prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
         tree = random_tree(rng, 96, n)
@@ -64,6 +68,7 @@ def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled, m
         compiled.discard()
         torch.testing.assert_close(out, eager_logits(compiled, prompt, tree), atol=COMPILED_FP32_ATOL, rtol=0)
         check_tree_logits(compiled, prompt, tree, atol=COMPILED_FP32_ATOL)  # against its own sequential steps
+    assert rows_by_sdpa == {2, 3}
 
 
 @needs_compiler

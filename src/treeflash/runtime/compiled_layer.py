@@ -3,7 +3,8 @@ graph every layer shares, built by AOTInductor into a package cached on disk.
 
 Eager, a decoding step of SmolLM2 spends about as long dispatching the small ops around its 4-bit products (norms,
 RoPE, cache writes, attention) as in the products. Compiled, those ops fuse into a few C++ loops around the
-products; attention is two fused reductions around a softmax (SDPA's CPU kernel costs more at decoding's sizes).
+products; attention is two fused reductions around a softmax for one or two rows (SDPA's CPU kernel costs more
+there), SDPA's kernel for more (`SDPA_ROWS`).
 Ahead of time rather than `torch.compile` (`aoti.py`), because a step calls the layer once per layer (30 calls for
 SmolLM2): dynamo's guards and AOTAutograd's wrappers cost ~25 us a call there, about 12 % of a step, and an
 AOTInductor runner costs almost nothing above its kernels. One graph takes every batch, row count and length (sizes are
@@ -55,11 +56,11 @@ class Layer(torch.nn.Module):
     """One decoder layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps` and SiLU
     gates, as exported: layer(x, cos, sin, k_cache, v_cache, cols, mask, *layer_weights(layer, dense)) with the
     arguments of `static_decoder.decoder_layer` (the K/V always written at `cols`; the tokens attend to the cache's
-    first mask.shape[-1] positions under `mask`)."""
+    first mask.shape[-1] positions under `mask`). `sdpa`: attention by SDPA's kernel (the dense form always)."""
 
-    def __init__(self, shape: tuple[int, int, int], eps: float, dense: bool = False):
+    def __init__(self, shape: tuple[int, int, int], eps: float, dense: bool = False, sdpa: bool = False):
         super().__init__()
-        self.shape, self.eps, self.dense = shape, eps, dense
+        self.shape, self.eps, self.dense, self.sdpa = shape, eps, dense, sdpa or dense
 
     def forward(self, x, cos, sin, k_cache, v_cache, cols, mask, in_norm, post_norm, *products):
         # each product's tensors: a packed dense weight, or the 4-bit blocks and their scales and zeros
@@ -79,8 +80,8 @@ class Layer(torch.nn.Module):
         k_cache.index_put_(index, k)
         v_cache.index_put_(index, v)
         q = q.reshape(B, kv_heads, heads // kv_heads * n, hd)  # grouped-query attention, as decoder_layer
-        if self.dense:  # the many rows of trees and batches: SDPA's kernel, whose cost grows least with rows x
-            # positions (one SmolLM2 layer at 8 / 17 rows after 600 positions: 0.30 / 0.40 ms, 0.51 / 0.90 as below)
+        if self.sdpa:  # trees and batches: SDPA's kernel, whose cost grows least with rows x positions (one SmolLM2
+            # layer at 8 / 17 rows after 600 positions: 0.30 / 0.40 ms, 0.51 / 0.90 as below)
             out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask)
         else:  # attention as two fused reductions: no matrix-product call, and no pattern inductor would turn back
             # into its SDPA call (which costs more than the whole attention at decoding's few rows)
@@ -160,15 +161,20 @@ def example_inputs(shape: tuple[int, int, int], weights: tuple[torch.Tensor, ...
 
 # the packages of a layer: traced with one sequence (for forwards of exactly one) and with two (for batches)
 SEQUENCES = (1, 2)
+# From this many rows of one sequence on, the 4-bit layer attends by SDPA's kernel (a package of its own): the two
+# fused reductions read the cache once a row. SmolLM2's 30 layers on the 4-bit kernel, SDPA against the reductions
+# (AMD EPYC, AVX512-BF16): 1 row 1.07-1.11x the time after 100-1,000 positions, 2 rows 0.99-1.04x, 3 rows
+# 0.84-0.99x, 4 rows 0.85-0.98x, 6 rows 0.82-0.96x (the more positions, the less; docs/results/tree-attention)
+SDPA_ROWS = 3
 
 
 def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, weights: tuple[torch.Tensor, ...],
-                  sequences: int, dense: bool = False) -> Callable:
+                  sequences: int, dense: bool = False, sdpa: bool = False) -> Callable:
     """The compiled layer of a model with (heads, kv_heads, head_dim) = `shape`, RMSNorm epsilon `eps`, activations
     of `dtype` and layer tensors shaped as `weights` (one layer's `layer_weights(layer, dense)`), for forwards of one
-    sequence (`sequences` 1) or of any number (2): loaded from the cache, or built first (`aoti.package`: one per
-    model shape, form and machine). Called as `Layer.forward`."""
-    key = (shape, eps, str(dtype), aoti.shapes(weights), sequences, dense, Path(__file__).read_bytes())
+    sequence (`sequences` 1) or of any number (2), attending by SDPA's kernel (`sdpa`) or not: loaded from the
+    cache, or built first (`aoti.package`: one per model shape, form and machine). Called as `Layer.forward`."""
+    key = (shape, eps, str(dtype), aoti.shapes(weights), sequences, dense, sdpa, Path(__file__).read_bytes())
     auto = torch.export.Dim.AUTO  # batch, rows, positions and capacity: symbolic
     dims = ({0: auto, 1: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto}, {0: auto, 2: auto},
             {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}, None, None,
@@ -176,7 +182,8 @@ def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, w
 
     def export() -> torch.export.ExportedProgram:
         _register_lowering()  # only to build a package: importing inductor's lowerings takes 1-2 s of a start
-        return aoti.export_sized(Layer(shape, eps, dense), example_inputs(shape, weights, dtype, sequences), dims)
+        return aoti.export_sized(Layer(shape, eps, dense, sdpa), example_inputs(shape, weights, dtype, sequences),
+                                 dims)
     # realize the rotated q|k once: below inductor's default threshold (4 reads) q's rotation was inlined into the
     # scores' reduction and computed again for every attended position (a 2-4 row layer 5-10 % slower at 256
     # positions, 10-15 % at 512)

@@ -293,6 +293,7 @@ class StaticDecoder:
         self.cache = self.new_cache(1, capacity)
         # compiled layers by sequences traced, on the 4-bit kernel up to int4_rows, then on the dense copies
         self.compiled_layers, self.compiled_weights, self.int4_rows, self.compiled_rows = {}, [], 0, 0
+        self.sdpa_layer, self.sdpa_rows = None, 0  # the 4-bit layer of one sequence's trees from sdpa_rows rows
         self.dense_layer, self.dense_weights = None, []
         self.graphs: str | None = None  # "capture": verification forwards as CUDA graphs; "eager": same shapes
 
@@ -310,14 +311,15 @@ class StaticDecoder:
         forwards stay eager); the LM head on its dense copy from the rows where that is faster. Both crossovers are
         measured once per machine (`crossover.py`). Raises ValueError for a model whose layers have no compiled
         form, or whose activation is not SiLU."""
-        from .compiled_layer import SEQUENCES, compile_layer, layer_weights  # (it imports this module)
+        from .compiled_layer import SDPA_ROWS, SEQUENCES, compile_layer, layer_weights  # (it imports this module)
 
         if self.config.hidden_act != "silu":
             raise ValueError(f"the compiled layer has SiLU gates only, not {self.config.hidden_act}")
         weights = [layer_weights(layer) for layer in self.layers]
         eps = self.layers[0].in_norm.variance_epsilon
         self.compiled_layers = {b: compile_layer(self.shape, eps, self.dtype, weights[0], b) for b in SEQUENCES}
-        self.compiled_weights, self.int4_rows = weights, COMPILED_ROWS
+        self.sdpa_layer = compile_layer(self.shape, eps, self.dtype, weights[0], 1, sdpa=True)
+        self.compiled_weights, self.int4_rows, self.sdpa_rows = weights, COMPILED_ROWS, SDPA_ROWS
         try:
             dense = [layer_weights(layer, dense=True) for layer in self.layers]
         except ValueError:  # no dense copies: the 4-bit kernel up to COMPILED_ROWS, eager beyond
@@ -453,6 +455,8 @@ class StaticDecoder:
         compiled_layer = weights = None
         if compiled and ids.numel() > self.int4_rows:
             compiled_layer, weights = self.dense_layer, self.dense_weights
+        elif compiled and len(ids) == 1 and ids.shape[1] >= self.sdpa_rows:  # one sequence's tree: SDPA's kernel
+            compiled_layer, weights = self.sdpa_layer, self.compiled_weights
         elif compiled:  # the 4-bit kernel's, traced for one sequence or for several
             compiled_layer, weights = self.compiled_layers[min(len(ids), 2)], self.compiled_weights
         for i, (layer, (k, v)) in enumerate(zip(self.layers, cache.layer_views(slots))):

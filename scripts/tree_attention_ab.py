@@ -1,0 +1,85 @@
+"""SDPA's kernel in the compiled 4-bit layer for trees of SDPA_ROWS rows and more, against the two fused reductions
+for every row count (the rule before), on the default target as the command line runs it (bf16, the GGUF's blocks,
+compiled), both rules in one process:
+
+1. one verify of n rows (a bushy tree) after each context length, the rules interleaved;
+2. single-sequence decoding with `--budget auto`, interleaved prompt by prompt (a target per rule, each with its
+   own policy, which prices trees at the costs of the rule in force).
+
+    .venv/bin/python scripts/tree_attention_ab.py --dataset gsm8k --limit 10 [--out ab.json]
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from forward_costs import bushy, verify_ms
+from treeflash import Target, generate
+from treeflash.drafters import make_drafter
+from treeflash.eval.datasets import load_prompts
+
+ROWS = (1, 2, 3, 4, 5, 6)
+CONTEXTS = (150, 300, 600, 1200)
+NEVER = 1 << 30  # sdpa_rows of the rule before: no tree attends by SDPA on the 4-bit layer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", default="gsm8k")
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="ar,pld,rest,ddtree")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--no-verifies", action="store_true", help="skip part 1")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    texts = load_prompts(args.dataset, limit=args.limit)
+    targets = {rule: Target.load(dtype="bfloat16", compile="on") for rule in ("fused", "sdpa")}
+    targets["fused"].static.sdpa_rows = NEVER
+    sdpa_rows = targets["sdpa"].static.sdpa_rows
+    print(f"the 4-bit layer attends by SDPA from {sdpa_rows} rows (the new rule), never (the old)")
+    report: dict = {"dataset": args.dataset, "sdpa_rows": sdpa_rows, "verify_ms": [], "single": {}}
+
+    for context in () if args.no_verifies else CONTEXTS:
+        tokens = [1000 + i % 500 for i in range(context)]
+        for rows in ROWS:
+            runs = {rule: [] for rule in targets}
+            for _ in range(3):  # interleaved: the machine's drift hits both rules
+                for rule, target in targets.items():
+                    runs[rule].append(verify_ms(target, tokens, bushy(5, rows)))
+            ms = {rule: statistics.median(v) for rule, v in runs.items()}
+            report["verify_ms"].append({"context": context, "rows": rows, **ms})
+            print(f"verify {rows} rows after {context}: fused {ms['fused']:.2f} ms, sdpa {ms['sdpa']:.2f} ms "
+                  f"({ms['sdpa'] / ms['fused']:.3f}x)", flush=True)
+
+    prompts = [targets["fused"].encode_prompt(text) for text in texts]
+    for method in args.methods.split(","):
+        drafters = {rule: make_drafter(method, target) for rule, target in targets.items()}  # a policy each
+        seconds = {rule: 0.0 for rule in targets}
+        new = {rule: 0 for rule in targets}
+        same = runs = 0
+        for _ in range(args.repeats):
+            for prompt in prompts:
+                tokens = {}
+                for rule, target in targets.items():
+                    start = time.perf_counter()
+                    out = generate(target, drafters[rule], prompt, max_new_tokens=args.max_new_tokens)
+                    seconds[rule] += time.perf_counter() - start
+                    new[rule] += len(out.tokens)
+                    tokens[rule] = out.tokens
+                same += tokens["fused"] == tokens["sdpa"]
+                runs += 1
+        tps = {rule: new[rule] / seconds[rule] for rule in targets}
+        report["single"][method] = {"tokens_per_s": tps, "speedup_sdpa": tps["sdpa"] / tps["fused"],
+                                    "same_tokens": f"{same}/{runs}"}
+        print(f"{method}: tokens/s fused {tps['fused']:.1f}, sdpa {tps['sdpa']:.1f} ({tps['sdpa'] / tps['fused']:.3f}x);"
+              f" the same tokens on {same}/{runs} runs", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
