@@ -35,9 +35,10 @@ needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("cl
 
 @pytest.fixture(scope="module")
 def compiled() -> Target:
-    """A tiny random Llama whose fused projections run on the int4 kernel (fp32 activations), compiled."""
-    target = int4_tiny("llama", **WIDE)
-    assert target.compile("on") and target.compiled
+    """A tiny random Llama whose fused projections and LM head (two parts, as a Q8_0 head) run on the int4 kernel
+    (fp32 activations), compiled."""
+    target = int4_tiny("llama", head_parts=2, **WIDE)
+    assert target.compile("on") and target.compiled and target.static.compiled_head
     return target
 
 
@@ -58,6 +59,9 @@ def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled, m
     monkeypatch.setattr(compiled.static, "sdpa_rows", 2)
     sdpa, rows_by_sdpa = compiled.static.sdpa_layer, set()
     monkeypatch.setattr(compiled.static, "sdpa_layer", lambda x, *args: rows_by_sdpa.add(x.shape[1]) or sdpa(x, *args))
+    head, rows_by_head = compiled.static.compiled_head, set()
+    monkeypatch.setattr(compiled.static, "compiled_head", lambda x: rows_by_head.add(x.shape[1]) or head(x))
+    monkeypatch.setattr(compiled.static.lm_head, "dense_rows", 3)  # the 4-bit head below 3 rows, the dense copy from
     # the 4-bit kernel's layer (its own attention for 1 row, SDPA's for 2-3), the dense copies' from 4 rows, eager
     # again past the last compiled row count
     for n in [1, 2, 3, 4, 5, 9, 17, DENSE_COMPILED_ROWS, DENSE_COMPILED_ROWS + 1]:
@@ -68,7 +72,7 @@ def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled, m
         compiled.discard()
         torch.testing.assert_close(out, eager_logits(compiled, prompt, tree), atol=COMPILED_FP32_ATOL, rtol=0)
         check_tree_logits(compiled, prompt, tree, atol=COMPILED_FP32_ATOL)  # against its own sequential steps
-    assert rows_by_sdpa == {2, 3}
+    assert rows_by_sdpa == {2, 3} and rows_by_head == {1, 2}
 
 
 @needs_compiler
@@ -117,7 +121,7 @@ def test_a_second_start_loads_the_layer_without_building_it(compiled, monkeypatc
     def no_build(*args, **kwargs):
         raise AssertionError("the layer was built again")
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_build)
-    again = int4_tiny("llama", **WIDE)
+    again = int4_tiny("llama", head_parts=2, **WIDE)
     assert again.compile("on")
     prompt = repetitive_prompt(random.Random(3), 96)
     with again.eager():

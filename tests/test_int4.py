@@ -130,12 +130,22 @@ def test_quantise_rounds_within_half_a_step():
 WIDE = dict(hidden_size=128, intermediate_size=256)  # k and v of 64 rows: whole packed blocks, so q|k|v fuse
 
 
-def int4_tiny(kind: str = "llama", runtime: str = "auto", **overrides) -> Target:
-    """A tiny random target whose linears (LM head aside) run on the int4 kernel, fp32 activations."""
+def int4_tiny(kind: str = "llama", runtime: str = "auto", head_parts: int = 0, **overrides) -> Target:
+    """A tiny random target whose linears (LM head aside) run on the int4 kernel, fp32 activations. With
+    `head_parts` 1 or 2 the LM head too: its weight rounded to 4 bits, and with 2 its rounding error rounded again
+    in a second part, the two summed (as a GGUF's Q8_0 head runs)."""
     from conftest import tiny_target
 
     target = tiny_target(kind, runtime="hf", **overrides)
     assert quantise_model(target.model, torch.float32) == 7 * TINY["num_hidden_layers"]
+    if head_parts:
+        weight, parts = target.model.lm_head.weight.detach().float(), []
+        for _ in range(head_parts):
+            q, scale, zero = quantise(weight)
+            parts.append(Int4Weight.from_ints(q, scale, zero, torch.float32))
+            weight = weight - dequantise(q, scale, zero)
+        # with its dense copy, as a GGUF target's: a drafter reads the head's rows
+        target.model.lm_head = Int4Linear(parts, weight=Int4Linear(parts).dense_weight())
     return Target(target.model, name=target.name, runtime=runtime, weights="int4")
 
 

@@ -115,12 +115,14 @@ class _Projection:
                 row += n
         self.packed = pack(self.weight)
 
+    def on_int4(self, x: torch.Tensor) -> bool:
+        """Whether the product of x runs on the 4-bit kernel (else on the packed dense copy, or dense)."""
+        return self.int4 is not None and (self.packed is None or x.numel() < self.dense_rows * x.shape[-1]
+                                          or x.dtype != self.packed.dtype or torch.is_grad_enabled())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None:
-            if self.packed is None or x.numel() < self.dense_rows * x.shape[-1] or x.dtype != self.packed.dtype \
-                    or torch.is_grad_enabled():
-                return self.int4(x)
-            return packed_linear(x, self.packed, self.bias)
+            return self.int4(x) if self.on_int4(x) else packed_linear(x, self.packed, self.bias)
         if self.parts:
             return torch.cat([m(x) for m in self.parts], dim=-1)
         return linear(x, self.weight, self.packed, self.bias)
@@ -294,6 +296,7 @@ class StaticDecoder:
         # compiled layers by sequences traced, on the 4-bit kernel up to int4_rows, then on the dense copies
         self.compiled_layers, self.compiled_weights, self.int4_rows, self.compiled_rows = {}, [], 0, 0
         self.sdpa_layer, self.sdpa_rows = None, 0  # the 4-bit layer of one sequence's trees from sdpa_rows rows
+        self.compiled_head = None  # the final norm and a 4-bit LM head, for the rows it runs on the kernel
         self.dense_layer, self.dense_weights = None, []
         self.graphs: str | None = None  # "capture": verification forwards as CUDA graphs; "eager": same shapes
 
@@ -308,10 +311,11 @@ class StaticDecoder:
         """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, built here (or
         loaded from its cache): on the 4-bit kernel from one row, and on the packed dense copy (where the products
         have one) from the rows where it is faster on this machine up to DENSE_COMPILED_ROWS (prefills and larger
-        forwards stay eager); the LM head on its dense copy from the rows where that is faster. Both crossovers are
-        measured once per machine (`crossover.py`). Raises ValueError for a model whose layers have no compiled
+        forwards stay eager); the LM head on its dense copy from the rows where that is faster, a 4-bit head with
+        the final norm compiled below those. Both crossovers are measured once per machine (`crossover.py`). Raises ValueError for a model whose layers have no compiled
         form, or whose activation is not SiLU."""
-        from .compiled_layer import SDPA_ROWS, SEQUENCES, compile_layer, layer_weights  # (it imports this module)
+        # (compiled_layer imports this module)
+        from .compiled_layer import SDPA_ROWS, SEQUENCES, compile_head, compile_layer, head_weights, layer_weights
 
         if self.config.hidden_act != "silu":
             raise ValueError(f"the compiled layer has SiLU gates only, not {self.config.hidden_act}")
@@ -320,6 +324,12 @@ class StaticDecoder:
         self.compiled_layers = {b: compile_layer(self.shape, eps, self.dtype, weights[0], b) for b in SEQUENCES}
         self.sdpa_layer = compile_layer(self.shape, eps, self.dtype, weights[0], 1, sdpa=True)
         self.compiled_weights, self.int4_rows, self.sdpa_rows = weights, COMPILED_ROWS, SDPA_ROWS
+        try:
+            head = head_weights(self.lm_head, self.final_norm)
+        except ValueError:  # a dense head: eager
+            pass
+        else:
+            self.compiled_head = compile_head(self.final_norm.variance_epsilon, self.dtype, head)
         try:
             dense = [layer_weights(layer, dense=True) for layer in self.layers]
         except ValueError:  # no dense copies: the 4-bit kernel up to COMPILED_ROWS, eager beyond
@@ -411,7 +421,8 @@ class StaticDecoder:
                       logits_at: slice | torch.Tensor = slice(None)):
         """B sequences of n tokens each (shorter ones padded by the caller), in slots first_slot.. of `cache`:
         ids, positions [B, n]; sequence b attends to its cache [0, starts[b]) and, within its n tokens, where
-        `allowed` [B, n, n] (None: causal). Returns logits [B, k, V] and taps [B, n, len(taps), H] or None."""
+        `allowed` [B, n, n] (None: causal). Returns logits [B, k, V] (fp32 from the compiled head, else in the
+        model's dtype) and taps [B, n, len(taps), H] or None."""
         B, n = ids.shape
         if self.graphs and isinstance(logits_at, slice) and logits_at == slice(None) and bucket(n):
             return self._fixed_shape(cache, first_slot, ids, positions, starts, allowed, tuple(taps))
@@ -438,8 +449,10 @@ class StaticDecoder:
             mask = attention_mask(first, cols, inner, end, g)
         x, hidden = self.layers_forward(ids, cos, sin, cache, slots, end, starts[0] if even else None, cols, mask,
                                         taps, compiled=compiled)
-        logits = self.lm_head(_rms_norm(x[:, logits_at], self.final_norm))
-        return logits, hidden
+        x = x[:, logits_at]
+        if compiled and self.compiled_head and self.lm_head.on_int4(x):  # fp32 logits
+            return self.compiled_head(x), hidden
+        return self.lm_head(_rms_norm(x, self.final_norm)), hidden
 
     def layers_forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slots: slice,
                        end: int, at: int | None, cols: torch.Tensor, mask: torch.Tensor | None,

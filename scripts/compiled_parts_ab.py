@@ -1,12 +1,14 @@
-"""SDPA's kernel in the compiled 4-bit layer for trees of SDPA_ROWS rows and more, against the two fused reductions
-for every row count (the rule before), on the default target as the command line runs it (bf16, the GGUF's blocks,
-compiled), both rules in one process:
+"""A part of the compiled 4-bit path against the runtime without it, on the default target as the command line runs
+it (bf16, the GGUF's blocks, compiled), both in one process:
+- `--part sdpa`: trees of SDPA_ROWS rows and more attend by SDPA's kernel (without: the two fused reductions for
+  every row count);
+- `--part head`: the final norm and the 4-bit LM head compiled (without: eager).
 
-1. one verify of n rows (a bushy tree) after each context length, the rules interleaved;
-2. single-sequence decoding with `--budget auto`, interleaved prompt by prompt (a target per rule, each with its
-   own policy, which prices trees at the costs of the rule in force).
+1. one verify of n rows (a bushy tree) after each context length, the two interleaved;
+2. single-sequence decoding with `--budget auto`, interleaved prompt by prompt (a target each, each with its own
+   policy, which prices trees at its own costs).
 
-    .venv/bin/python scripts/tree_attention_ab.py --dataset gsm8k --limit 10 [--out ab.json]
+    .venv/bin/python scripts/compiled_parts_ab.py --part sdpa --dataset gsm8k --limit 10 [--out ab.json]
 """
 
 import argparse
@@ -22,11 +24,20 @@ from treeflash.eval.datasets import load_prompts
 
 ROWS = (1, 2, 3, 4, 5, 6)
 CONTEXTS = (150, 300, 600, 1200)
-NEVER = 1 << 30  # sdpa_rows of the rule before: no tree attends by SDPA on the 4-bit layer
+NEVER = 1 << 30  # sdpa_rows without SDPA: no tree attends by it on the 4-bit layer
+
+
+def remove(target: Target, part: str) -> None:
+    """The target's runtime without `part`."""
+    if part == "sdpa":
+        target.static.sdpa_rows = NEVER
+    else:
+        target.static.compiled_head = None
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=("sdpa", "head"), required=True)
     p.add_argument("--dataset", default="gsm8k")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -36,11 +47,10 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     texts = load_prompts(args.dataset, limit=args.limit)
-    targets = {rule: Target.load(dtype="bfloat16", compile="on") for rule in ("fused", "sdpa")}
-    targets["fused"].static.sdpa_rows = NEVER
-    sdpa_rows = targets["sdpa"].static.sdpa_rows
-    print(f"the 4-bit layer attends by SDPA from {sdpa_rows} rows (the new rule), never (the old)")
-    report: dict = {"dataset": args.dataset, "sdpa_rows": sdpa_rows, "verify_ms": [], "single": {}}
+    targets = {rule: Target.load(dtype="bfloat16", compile="on") for rule in ("without", "with")}
+    remove(targets["without"], args.part)
+    report: dict = {"part": args.part, "dataset": args.dataset, "sdpa_rows": targets["with"].static.sdpa_rows,
+                    "verify_ms": [], "single": {}}
 
     for context in () if args.no_verifies else CONTEXTS:
         tokens = [1000 + i % 500 for i in range(context)]
@@ -51,10 +61,10 @@ def main() -> None:
                     runs[rule].append(verify_ms(target, tokens, bushy(5, rows)))
             ms = {rule: statistics.median(v) for rule, v in runs.items()}
             report["verify_ms"].append({"context": context, "rows": rows, **ms})
-            print(f"verify {rows} rows after {context}: fused {ms['fused']:.2f} ms, sdpa {ms['sdpa']:.2f} ms "
-                  f"({ms['sdpa'] / ms['fused']:.3f}x)", flush=True)
+            print(f"verify {rows} rows after {context}: without {ms['without']:.2f} ms, with {ms['with']:.2f} ms "
+                  f"({ms['with'] / ms['without']:.3f}x)", flush=True)
 
-    prompts = [targets["fused"].encode_prompt(text) for text in texts]
+    prompts = [targets["with"].encode_prompt(text) for text in texts]
     for method in args.methods.split(","):
         drafters = {rule: make_drafter(method, target) for rule, target in targets.items()}  # a policy each
         seconds = {rule: 0.0 for rule in targets}
@@ -69,13 +79,13 @@ def main() -> None:
                     seconds[rule] += time.perf_counter() - start
                     new[rule] += len(out.tokens)
                     tokens[rule] = out.tokens
-                same += tokens["fused"] == tokens["sdpa"]
+                same += tokens["without"] == tokens["with"]
                 runs += 1
         tps = {rule: new[rule] / seconds[rule] for rule in targets}
-        report["single"][method] = {"tokens_per_s": tps, "speedup_sdpa": tps["sdpa"] / tps["fused"],
+        report["single"][method] = {"tokens_per_s": tps, "speedup": tps["with"] / tps["without"],
                                     "same_tokens": f"{same}/{runs}"}
-        print(f"{method}: tokens/s fused {tps['fused']:.1f}, sdpa {tps['sdpa']:.1f} ({tps['sdpa'] / tps['fused']:.3f}x);"
-              f" the same tokens on {same}/{runs} runs", flush=True)
+        print(f"{method}: tokens/s without {tps['without']:.1f}, with {tps['with']:.1f} "
+              f"({tps['with'] / tps['without']:.3f}x); the same tokens on {same}/{runs} runs", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
