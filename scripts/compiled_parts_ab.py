@@ -2,7 +2,8 @@
 it (bf16, the GGUF's blocks, compiled), both in one process:
 - `--part sdpa`: trees of SDPA_ROWS rows and more attend by SDPA's kernel (without: the two fused reductions for
   every row count);
-- `--part head`: the final norm and the 4-bit LM head compiled (without: eager).
+- `--part head`: the final norm and the 4-bit LM head compiled (without: eager);
+- `--part prologue`: the embeddings, RoPE's tables and cache columns before the layers compiled (without: eager).
 
 1. one verify of n rows (a bushy tree) after each context length, the two interleaved;
 2. single-sequence decoding with `--budget auto`, interleaved prompt by prompt (a target each, each with its own
@@ -32,12 +33,12 @@ def remove(target: Target, part: str) -> None:
     if part == "sdpa":
         target.static.sdpa_rows = NEVER
     else:
-        target.static.compiled_head = None
+        setattr(target.static, f"compiled_{part}", None)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("sdpa", "head"), required=True)
+    p.add_argument("--part", choices=("sdpa", "head", "prologue"), required=True)
     p.add_argument("--dataset", default="gsm8k")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -145,6 +145,15 @@ class _Layer:
         return self.qkv, self.o, self.gate_up, self.down
 
 
+def prologue(embed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, first: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward's inputs to its layers: the embeddings [B, n, H] of ids [B, n]; RoPE's cos / sin [B, 1, n, head_dim]
+    at `positions` [B, n] from the tables `cos` / `sin`; where the tokens go in the cache, [B, n] columns from each
+    sequence's `first` [B] on (`compiled_layer.Prologue` compiles it)."""
+    cols = first[:, None] + torch.arange(ids.shape[1], device=ids.device)
+    return F.embedding(ids, embed), cos[positions][:, None], sin[positions][:, None], cols
+
+
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
@@ -297,6 +306,7 @@ class StaticDecoder:
         self.compiled_layers, self.compiled_weights, self.int4_rows, self.compiled_rows = {}, [], 0, 0
         self.sdpa_layer, self.sdpa_rows = None, 0  # the 4-bit layer of one sequence's trees from sdpa_rows rows
         self.compiled_head = None  # the final norm and a 4-bit LM head, for the rows it runs on the kernel
+        self.compiled_prologue = None  # `prologue`, for the compiled layers' forwards
         self.dense_layer, self.dense_weights = None, []
         self.graphs: str | None = None  # "capture": verification forwards as CUDA graphs; "eager": same shapes
 
@@ -315,7 +325,8 @@ class StaticDecoder:
         the final norm compiled below those. Both crossovers are measured once per machine (`crossover.py`). Raises ValueError for a model whose layers have no compiled
         form, or whose activation is not SiLU."""
         # (compiled_layer imports this module)
-        from .compiled_layer import SDPA_ROWS, SEQUENCES, compile_head, compile_layer, head_weights, layer_weights
+        from .compiled_layer import (SDPA_ROWS, SEQUENCES, compile_head, compile_layer, compile_prologue,
+                                     head_weights, layer_weights)
 
         if self.config.hidden_act != "silu":
             raise ValueError(f"the compiled layer has SiLU gates only, not {self.config.hidden_act}")
@@ -324,6 +335,7 @@ class StaticDecoder:
         self.compiled_layers = {b: compile_layer(self.shape, eps, self.dtype, weights[0], b) for b in SEQUENCES}
         self.sdpa_layer = compile_layer(self.shape, eps, self.dtype, weights[0], 1, sdpa=True)
         self.compiled_weights, self.int4_rows, self.sdpa_rows = weights, COMPILED_ROWS, SDPA_ROWS
+        self.compiled_prologue = compile_prologue(self.embed.weight.detach(), self.cos)
         try:
             head = head_weights(self.lm_head, self.final_norm)
         except ValueError:  # a dense head: eager
@@ -430,14 +442,16 @@ class StaticDecoder:
         cache.reserve(end, keep=max(starts))
         g = self.heads // self.kv_heads
         self._rope_table(end)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, n, head_dim]
         slots = slice(first_slot, first_slot + B)
         even = all(s == starts[0] for s in starts)  # one start: slices; else one indexed write per layer
-        # where each sequence's tokens go in its cache: [B, n] positions (the compiled layer always writes by index)
         first = upload(torch.tensor(starts), ids.device)  # each sequence's first position
-        cols = first[:, None] + torch.arange(n, device=ids.device)
         # the compiled layer for the few rows of decoding and small trees; more rows, prefills too, stay eager
         compiled = B * n <= self.compiled_rows
+        if compiled and self.compiled_prologue:
+            x, cos, sin, cols = self.compiled_prologue(ids, positions, first, self.cos, self.sin)
+        else:  # the embeddings, RoPE's cos / sin [B, 1, n, head_dim], and where each sequence's tokens go in its
+            # cache: [B, n] positions (the compiled layer always writes by index)
+            x, cos, sin, cols = prologue(self.embed.weight, ids, positions, first, self.cos, self.sin)
         mask = None  # (decoder_layer: one token sees all its cache; a prompt from position 0, causal)
         prompt = n > 1 and even and starts[0] == 0 and allowed is None and not compiled
         if n == 1 and even and compiled:  # (the compiled layer always takes a mask: its width is the attended length)
@@ -447,31 +461,31 @@ class StaticDecoder:
             inner = allowed if allowed is not None else torch.ones(B, n, n, dtype=torch.bool,
                                                                    device=ids.device).tril()
             mask = attention_mask(first, cols, inner, end, g)
-        x, hidden = self.layers_forward(ids, cos, sin, cache, slots, end, starts[0] if even else None, cols, mask,
+        x, hidden = self.layers_forward(x, cos, sin, cache, slots, end, starts[0] if even else None, cols, mask,
                                         taps, compiled=compiled)
         x = x[:, logits_at]
         if compiled and self.compiled_head and self.lm_head.on_int4(x):  # fp32 logits
             return self.compiled_head(x), hidden
         return self.lm_head(_rms_norm(x, self.final_norm)), hidden
 
-    def layers_forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slots: slice,
+    def layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slots: slice,
                        end: int, at: int | None, cols: torch.Tensor, mask: torch.Tensor | None,
                        taps: tuple[int, ...], compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The embeddings of ids [B, n] through every decoder layer (`decoder_layer`'s arguments; `compiled`: the
+        """Embeddings x [B, n, H] through every decoder layer (`decoder_layer`'s arguments; `compiled`: the
         compiled layers instead, the 4-bit kernel's up to int4_rows rows, the dense copies' beyond): the last
         layer's output [B, n, H] and the taps [B, n, len(taps), H] or None."""
         last = len(self.layers) - 1
         if not set(taps) <= set(range(-1, last + 1)):
             raise IndexError(f"taps {taps} name layers the model does not have (-1..{last})")
-        x = self.embed(ids)
         kept = {-1: x} if -1 in taps else {}  # layer -1: the embeddings (HF's hidden_states[0])
         compiled_layer = weights = None
-        if compiled and ids.numel() > self.int4_rows:
+        (B, n), one = x.shape[:2], len(x) == 1
+        if compiled and B * n > self.int4_rows:
             compiled_layer, weights = self.dense_layer, self.dense_weights
-        elif compiled and len(ids) == 1 and ids.shape[1] >= self.sdpa_rows:  # one sequence's tree: SDPA's kernel
+        elif compiled and one and n >= self.sdpa_rows:  # one sequence's tree: SDPA's kernel
             compiled_layer, weights = self.sdpa_layer, self.compiled_weights
         elif compiled:  # the 4-bit kernel's, traced for one sequence or for several
-            compiled_layer, weights = self.compiled_layers[min(len(ids), 2)], self.compiled_weights
+            compiled_layer, weights = self.compiled_layers[min(B, 2)], self.compiled_weights
         for i, (layer, (k, v)) in enumerate(zip(self.layers, cache.layer_views(slots))):
             if compiled_layer:
                 x = compiled_layer(x, cos, sin, k, v, cols, mask, *weights[i])
