@@ -165,7 +165,7 @@ SEQUENCES = (1, 2)
 # From this many rows of one sequence on, the 4-bit layer attends by SDPA's kernel (a package of its own): the two
 # fused reductions read the cache once a row. SmolLM2's 30 layers on the 4-bit kernel, SDPA against the reductions
 # (AMD EPYC, AVX512-BF16): 1 row 1.07-1.11x the time after 100-1,000 positions, 2 rows 0.99-1.04x, 3 rows
-# 0.84-0.99x, 4 rows 0.85-0.98x, 6 rows 0.82-0.96x (the more positions, the less; docs/results/tree-attention)
+# 0.84-0.99x, 4 rows 0.85-0.98x, 6 rows 0.82-0.96x (the more positions, the less; docs/results/compiled-step)
 SDPA_ROWS = 3
 
 
