@@ -3,7 +3,8 @@ it (bf16, the GGUF's blocks, compiled), both in one process:
 - `--part sdpa`: trees of SDPA_ROWS rows and more attend by SDPA's kernel (without: the two fused reductions for
   every row count);
 - `--part head`: the final norm and the 4-bit LM head compiled (without: eager);
-- `--part prologue`: the embeddings, RoPE's tables and cache columns before the layers compiled (without: eager).
+- `--part prologue`: the embeddings, RoPE's tables and cache columns before the layers compiled (without: eager);
+- several, comma-separated: the runtime without all of them.
 
 1. one verify of n rows (a bushy tree) after each context length, the two interleaved;
 2. single-sequence decoding with `--budget auto`, interleaved prompt by prompt (a target each, each with its own
@@ -28,17 +29,20 @@ CONTEXTS = (150, 300, 600, 1200)
 NEVER = 1 << 30  # sdpa_rows without SDPA: no tree attends by it on the 4-bit layer
 
 
-def remove(target: Target, part: str) -> None:
-    """The target's runtime without `part`."""
-    if part == "sdpa":
-        target.static.sdpa_rows = NEVER
-    else:
-        setattr(target.static, f"compiled_{part}", None)
+def remove(target: Target, parts: str) -> None:
+    """The target's runtime without `parts` (comma-separated)."""
+    for part in parts.split(","):
+        if part == "sdpa":
+            target.static.sdpa_rows = NEVER
+        elif part in ("head", "prologue"):
+            setattr(target.static, f"compiled_{part}", None)
+        else:
+            raise SystemExit(f"unknown part {part!r}: choose from sdpa, head, prologue")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("sdpa", "head", "prologue"), required=True)
+    p.add_argument("--part", required=True, help="sdpa, head or prologue, or several (comma-separated)")
     p.add_argument("--dataset", default="gsm8k")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -57,9 +61,9 @@ def main() -> None:
         tokens = [1000 + i % 500 for i in range(context)]
         for rows in ROWS:
             runs = {rule: [] for rule in targets}
-            for _ in range(3):  # interleaved: the machine's drift hits both rules
-                for rule, target in targets.items():
-                    runs[rule].append(verify_ms(target, tokens, bushy(5, rows)))
+            for k in range(4):  # interleaved, each first in turn: the machine's drift hits both
+                for rule in ("without", "with") if k % 2 == 0 else ("with", "without"):
+                    runs[rule].append(verify_ms(targets[rule], tokens, bushy(5, rows)))
             ms = {rule: statistics.median(v) for rule, v in runs.items()}
             report["verify_ms"].append({"context": context, "rows": rows, **ms})
             print(f"verify {rows} rows after {context}: without {ms['without']:.2f} ms, with {ms['with']:.2f} ms "
@@ -71,10 +75,12 @@ def main() -> None:
         seconds = {rule: 0.0 for rule in targets}
         new = {rule: 0 for rule in targets}
         same = runs = 0
-        for _ in range(args.repeats):
-            for prompt in prompts:
+        for repeat in range(args.repeats):
+            for i, prompt in enumerate(prompts):
                 tokens = {}
-                for rule, target in targets.items():
+                # each goes first on every other prompt: what runs second finds the machine as the first left it
+                for rule in ("without", "with") if (i + repeat) % 2 == 0 else ("with", "without"):
+                    target = targets[rule]
                     start = time.perf_counter()
                     out = generate(target, drafters[rule], prompt, max_new_tokens=args.max_new_tokens)
                     seconds[rule] += time.perf_counter() - start
