@@ -61,7 +61,7 @@ def test_compiled_trees_equal_eager_ones_at_every_row_count_it_takes(compiled, m
     monkeypatch.setattr(compiled.static, "sdpa_layer", lambda x, *args: rows_by_sdpa.add(x.shape[1]) or sdpa(x, *args))
     head, rows_by_head = compiled.static.compiled_head, set()
     monkeypatch.setattr(compiled.static, "compiled_head", lambda x: rows_by_head.add(x.shape[1]) or head(x))
-    monkeypatch.setattr(compiled.static.lm_head, "dense_rows", 3)  # the 4-bit head below 3 rows, the dense copy from
+    monkeypatch.setattr(compiled.static.lm_head, "dense_rows", 3)  # the compiled 4-bit head for 1-2 rows
     # the 4-bit kernel's layer (its own attention for 1 row, SDPA's for 2-3), the dense copies' from 4 rows, eager
     # again past the last compiled row count
     for n in [1, 2, 3, 4, 5, 9, 17, DENSE_COMPILED_ROWS, DENSE_COMPILED_ROWS + 1]:

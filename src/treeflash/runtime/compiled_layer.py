@@ -1,6 +1,6 @@
 """The static runtime's decoder layer for 4-bit targets, compiled ahead of time: `torch.export` over one layer, the
-graph every layer shares, built by AOTInductor into a package cached on disk (and the forward's end, the final norm
-and a 4-bit LM head: `Head`).
+graph every layer shares, built by AOTInductor into a package cached on disk; and what runs before and after the
+layers (`Prologue`, `Head`: the final norm and a 4-bit LM head).
 
 Eager, a decoding step of SmolLM2 spends about as long dispatching the small ops around its 4-bit products (norms,
 RoPE, cache writes, attention) as in the products. Compiled, those ops fuse into a few C++ loops around the
@@ -198,8 +198,8 @@ def compile_layer(shape: tuple[int, int, int], eps: float, dtype: torch.dtype, w
 class Head(torch.nn.Module):
     """The forward's end on a 4-bit LM head, as exported: head(x, norm, *parts) = fp32 logits of the final RMSNorm of
     x [B, n, H], the sum of the head's parts' products (`Int4Linear`'s, in the activations' dtype: Q8_0's two
-    halves). Eager, the few ops around the head cost an AR step of SmolLM2 0.3-0.4 ms, 4 %: they run right after
-    the weights streamed through the caches, which hold none of their code and data then."""
+    halves). Eager, the few ops around the head cost an AR step of SmolLM2 about 0.3 ms: they run right after the
+    weights streamed through the caches, which hold none of their code and data then (docs/results/compiled-step)."""
 
     def __init__(self, eps: float):
         super().__init__()

@@ -59,8 +59,8 @@ class FixedShapeForward:
         d = self.decoder
         mask = attention_mask(self.starts, self.cols, self.inner, self.capacity, d.heads // d.kv_heads)
         cos, sin = self.cos[self.positions][:, None], self.sin[self.positions][:, None]
-        x, hidden = d.layers_forward(d.embed(self.ids), cos, sin, self.cache, self.slots, self.capacity, None, self.cols, mask,
-                                     self.taps)
+        x, hidden = d.layers_forward(d.embed(self.ids), cos, sin, self.cache, self.slots, self.capacity, None,
+                                     self.cols, mask, self.taps)
         return d.lm_head(_rms_norm(x, d.final_norm)), hidden
 
     def _capture(self) -> None:

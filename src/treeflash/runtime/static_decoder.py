@@ -321,9 +321,11 @@ class StaticDecoder:
         """Run forwards of few rows through the compiled layer (`compiled_layer.py`) from now on, built here (or
         loaded from its cache): on the 4-bit kernel from one row, and on the packed dense copy (where the products
         have one) from the rows where it is faster on this machine up to DENSE_COMPILED_ROWS (prefills and larger
-        forwards stay eager); the LM head on its dense copy from the rows where that is faster, a 4-bit head with
-        the final norm compiled below those. Both crossovers are measured once per machine (`crossover.py`). Raises ValueError for a model whose layers have no compiled
-        form, or whose activation is not SiLU."""
+        forwards stay eager), one sequence's trees of SDPA_ROWS rows and more on the 4-bit layer that attends by
+        SDPA's kernel; the LM head on its dense copy from the rows where that is faster, a 4-bit head compiled
+        with the final norm below those; the prologue (`prologue`) compiled. Both crossovers are measured once per
+        machine (`crossover.py`). Raises ValueError for a model whose layers have no compiled form, or whose
+        activation is not SiLU."""
         # (compiled_layer imports this module)
         from .compiled_layer import (SDPA_ROWS, SEQUENCES, compile_head, compile_layer, compile_prologue,
                                      head_weights, layer_weights)
