@@ -7,8 +7,8 @@ it (bf16, the GGUF's blocks, compiled), both in one process:
 - several, comma-separated: the runtime without all of them.
 
 1. one verify of n rows (a bushy tree) after each context length, the two interleaved;
-2. single-sequence decoding with `--budget auto`, interleaved prompt by prompt (a target each, each with its own
-   policy, which prices trees at its own costs).
+2. single-sequence decoding with `--budget auto` at `--temperature` (each prompt its own seed, the same for both),
+   interleaved prompt by prompt (a target each, each with its own policy, which prices trees at its own costs).
 
     .venv/bin/python scripts/compiled_parts_ab.py --part sdpa --dataset gsm8k --limit 10 [--out ab.json]
 """
@@ -23,6 +23,7 @@ from forward_costs import bushy, verify_ms
 from treeflash import Target, generate
 from treeflash.drafters import make_drafter
 from treeflash.eval.datasets import load_prompts
+from treeflash.verify import Sampling
 
 ROWS = (1, 2, 3, 4, 5, 6)
 CONTEXTS = (150, 300, 600, 1200)
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--dataset", default="gsm8k")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--methods", default="ar,pld,rest,ddtree")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-verifies", action="store_true", help="skip part 1")
@@ -54,7 +56,8 @@ def main() -> None:
     texts = load_prompts(args.dataset, limit=args.limit)
     targets = {rule: Target.load(dtype="bfloat16", compile="on") for rule in ("without", "with")}
     remove(targets["without"], args.part)
-    report: dict = {"part": args.part, "dataset": args.dataset, "sdpa_rows": targets["with"].static.sdpa_rows,
+    report: dict = {"part": args.part, "dataset": args.dataset, "temperature": args.temperature,
+                    "sdpa_rows": targets["with"].static.sdpa_rows,
                     "verify_ms": [], "single": {}}
 
     for context in () if args.no_verifies else CONTEXTS:
@@ -82,7 +85,8 @@ def main() -> None:
                 for rule in ("without", "with") if (i + repeat) % 2 == 0 else ("with", "without"):
                     target = targets[rule]
                     start = time.perf_counter()
-                    out = generate(target, drafters[rule], prompt, max_new_tokens=args.max_new_tokens)
+                    out = generate(target, drafters[rule], prompt, args.max_new_tokens,
+                                   Sampling(temperature=args.temperature), seed=i)  # the same seed for both
                     seconds[rule] += time.perf_counter() - start
                     new[rule] += len(out.tokens)
                     tokens[rule] = out.tokens
