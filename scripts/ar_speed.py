@@ -2,13 +2,14 @@
 128 new tokens each. For comparisons across processes (another checkout on PYTHONPATH, a compiled part removed),
 which the machine's spread between processes (up to ±10 % here) makes noisy: run many, alternating.
 
-    .venv/bin/python scripts/ar_speed.py LABEL [--without head,prologue]
+    .venv/bin/python scripts/ar_speed.py LABEL [--without head,prologue]   # (parts as compiled_parts_ab.py names them)
     PYTHONPATH=/tmp/old/src .venv/bin/python scripts/ar_speed.py old   # an older checkout (git worktree)
 """
 
 import argparse
 import time
 
+from compiled_parts_ab import remove
 from treeflash import Target, generate
 from treeflash.drafters import make_drafter
 from treeflash.eval.datasets import load_prompts
@@ -17,12 +18,12 @@ from treeflash.eval.datasets import load_prompts
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("label")
-    p.add_argument("--without", default="", help="compiled parts to remove: head, prologue (comma-separated)")
+    p.add_argument("--without", default="", help="compiled parts to remove: sdpa, head, prologue (comma-separated)")
     p.add_argument("--dataset", default="gsm8k")
     args = p.parse_args()
     target = Target.load(dtype="bfloat16", compile="auto")
-    for part in filter(None, args.without.split(",")):
-        setattr(target.static, f"compiled_{part}", None)
+    if args.without:
+        remove(target, args.without)
     prompts = [target.encode_prompt(text) for text in load_prompts(args.dataset, limit=10)]
     ar = make_drafter("ar")
     generate(target, ar, prompts[0], max_new_tokens=16)  # warm

@@ -54,13 +54,14 @@ class FixedShapeForward:
         self.graph = None  # captured at the first call, once the inputs hold real values
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from .static_decoder import _rms_norm, attention_mask
+        from .static_decoder import _rms_norm, attention_mask, prologue
 
         d = self.decoder
         mask = attention_mask(self.starts, self.cols, self.inner, self.capacity, d.heads // d.kv_heads)
-        cos, sin = self.cos[self.positions][:, None], self.sin[self.positions][:, None]
-        x, hidden = d.layers_forward(d.embed(self.ids), cos, sin, self.cache, self.slots, self.capacity, None,
-                                     self.cols, mask, self.taps)
+        # (its cache columns are `self.cols`, filled before the graph runs)
+        x, cos, sin, _ = prologue(self.ids, self.positions, self.starts, self.cos, self.sin, d.embed.weight)
+        x, hidden = d.layers_forward(x, cos, sin, self.cache, self.slots, self.capacity, None, self.cols, mask,
+                                     self.taps)
         return d.lm_head(_rms_norm(x, d.final_norm)), hidden
 
     def _capture(self) -> None:

@@ -145,11 +145,11 @@ class _Layer:
         return self.qkv, self.o, self.gate_up, self.down
 
 
-def prologue(embed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, first: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A forward's inputs to its layers: the embeddings [B, n, H] of ids [B, n]; RoPE's cos / sin [B, 1, n, head_dim]
-    at `positions` [B, n] from the tables `cos` / `sin`; where the tokens go in the cache, [B, n] columns from each
-    sequence's `first` [B] on (`compiled_layer.Prologue` compiles it)."""
+def prologue(ids: torch.Tensor, positions: torch.Tensor, first: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             embed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward's inputs to its layers: the embeddings [B, n, H] of ids [B, n] in the table `embed`; RoPE's cos /
+    sin [B, 1, n, head_dim] at `positions` [B, n] from the tables `cos` / `sin`; where the tokens go in the cache,
+    [B, n] columns from each sequence's `first` [B] on (`compiled_layer.Prologue` compiles it)."""
     cols = first[:, None] + torch.arange(ids.shape[1], device=ids.device)
     return F.embedding(ids, embed), cos[positions][:, None], sin[positions][:, None], cols
 
@@ -453,7 +453,7 @@ class StaticDecoder:
             x, cos, sin, cols = self.compiled_prologue(ids, positions, first, self.cos, self.sin)
         else:  # the embeddings, RoPE's cos / sin [B, 1, n, head_dim], and where each sequence's tokens go in its
             # cache: [B, n] positions (the compiled layer always writes by index)
-            x, cos, sin, cols = prologue(self.embed.weight, ids, positions, first, self.cos, self.sin)
+            x, cos, sin, cols = prologue(ids, positions, first, self.cos, self.sin, self.embed.weight)
         mask = None  # (decoder_layer: one token sees all its cache; a prompt from position 0, causal)
         prompt = n > 1 and even and starts[0] == 0 and allowed is None and not compiled
         if n == 1 and even and compiled:  # (the compiled layer always takes a mask: its width is the attended length)
